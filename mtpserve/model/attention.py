@@ -1,0 +1,134 @@
+"""Multi-head latent attention (MLA) over a paged cache of compressed latents.
+
+The cache of one layer is a tensor [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: per token the
+normalized latent c and the rotated shared rope key. A batch is flat (all query tokens of all requests
+concatenated); `AttentionMetadata` says which tokens belong to which request, where their KV goes and how
+long each request's KV is after this step. Slot -1 means "do not keep": it lands in the last row of the
+cache, which belongs to a block the engine never hands out.
+
+Two exact forms of the same attention:
+- expanded: keys/values are expanded per head from the latent (cheap when many queries share the keys);
+- absorbed: W_UK is folded into the queries and W_UV applied after, so attention runs on the latent itself
+  (DeepSeek's decode form: no per-head K/V is ever built).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpserve.config import ModelConfig
+from mtpserve.model.layers import RMSNorm, RotaryEmbedding, softmax_scale
+
+ABSORB_MAX_QUERY_LEN = 8  # "auto" uses the absorbed form up to this many query tokens per request
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor   # [B+1] cumulative query lengths
+    seq_lens: torch.Tensor          # [B] KV length of each request after this step
+    slot_mapping: torch.Tensor      # [N] cache slot (block * block_size + offset) of each query token; -1: drop
+    block_tables: torch.Tensor      # [B, max_blocks] physical block ids
+    max_query_len: int
+    max_seq_len: int
+    # Built once per forward by `prepare`, shared by all layers:
+    token_row: torch.Tensor | None = None   # [N] request of each token
+    token_col: torch.Tensor | None = None   # [N] index of each token inside its request's query block
+    mask: torch.Tensor | None = None        # [B, 1, max_q, max_kv] True = may attend
+
+    def prepare(self, positions: torch.Tensor) -> "AttentionMetadata":
+        device = positions.device
+        num_tokens = positions.shape[0]
+        qsl = self.query_start_loc
+        query_lens = qsl[1:] - qsl[:-1]
+        self.token_row = torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens,
+                                                 output_size=num_tokens)
+        self.token_col = torch.arange(num_tokens, device=device) - qsl[:-1][self.token_row]
+        query_pos = torch.full((len(query_lens), self.max_query_len), -1, dtype=torch.long, device=device)
+        query_pos[self.token_row, self.token_col] = positions
+        key_idx = torch.arange(self.max_seq_len, device=device)
+        mask = (key_idx[None, None, :] <= query_pos[:, :, None]) & (key_idx[None, None, :] < self.seq_lens[:, None, None])
+        mask[..., 0] |= ~mask.any(-1)  # padding rows attend to one key instead of none (no NaN); dropped later
+        self.mask = mask.unsqueeze(1)
+        return self
+
+
+def dense_metadata(batch: int, seq_len: int, device) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata for a [batch, seq_len] causal batch with no cache (training, references)."""
+    positions = torch.arange(seq_len, device=device).repeat(batch)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, device=device) * seq_len,
+        seq_lens=torch.full((batch,), seq_len, device=device),
+        slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+        block_tables=torch.empty(batch, 0, dtype=torch.long, device=device),
+        max_query_len=seq_len, max_seq_len=seq_len)
+    return meta.prepare(positions), positions
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        h = cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.num_heads * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_cache_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
+        self.scale = softmax_scale(cfg)
+        self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
+        self.mode = "auto"       # "auto" | "absorbed" | "expanded"
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor | None) -> torch.Tensor:
+        """x: [N, hidden] flat tokens. kv_cache None: keys are this batch's own tokens (dense batches)."""
+        n = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(n, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = self.rotary[0](positions, q_pe)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_new = torch.cat([self.kv_a_layernorm(latent), self.rotary[0](positions, k_pe)], dim=-1)
+
+        batch = meta.seq_lens.shape[0]
+        if kv_cache is None:
+            keys = kv_new.view(batch, meta.max_seq_len, -1)
+        else:
+            flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
+            flat_cache[meta.slot_mapping] = kv_new.to(kv_cache.dtype)
+            num_blocks = -(-meta.max_seq_len // kv_cache.shape[1])
+            keys = kv_cache[meta.block_tables[:, :num_blocks]].flatten(1, 2)[:, :meta.max_seq_len].to(x.dtype)
+
+        def to_padded(t):  # [N, H, d] -> [B, H, max_q, d]
+            out = t.new_zeros(batch, meta.max_query_len, *t.shape[1:])
+            out[meta.token_row, meta.token_col] = t
+            return out.transpose(1, 2)
+
+        absorbed = self.mode == "absorbed" or (self.mode == "auto" and meta.max_query_len <= ABSORB_MAX_QUERY_LEN)
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv[:, :self.nope_dim], w_kv[:, self.nope_dim:]
+        c, k_rope = keys[..., :self.kv_lora_rank], keys[..., self.kv_lora_rank:]
+        if absorbed:
+            q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+            query = to_padded(torch.cat([q_latent, q_pe], dim=-1))
+            out = F.scaled_dot_product_attention(query, keys.unsqueeze(1).expand(-1, self.num_heads, -1, -1),
+                                                 c.unsqueeze(1).expand(-1, self.num_heads, -1, -1),
+                                                 attn_mask=meta.mask, scale=self.scale)
+            out = out.transpose(1, 2)[meta.token_row, meta.token_col]           # [N, H, r]
+            out = torch.einsum("nhr,hvr->nhv", out, w_uv)
+        else:
+            kv = F.linear(c, self.kv_b_proj.weight).view(batch, -1, self.num_heads, self.nope_dim + self.v_dim)
+            k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            key = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+            query = to_padded(torch.cat([q_nope, q_pe], dim=-1))
+            out = F.scaled_dot_product_attention(query, key.transpose(1, 2), value.transpose(1, 2),
+                                                 attn_mask=meta.mask, scale=self.scale)
+            out = out.transpose(1, 2)[meta.token_row, meta.token_col]           # [N, H, v]
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))

@@ -1,0 +1,130 @@
+"""DeepSeek-V3 (and V2): decoder stack, LM head and the MTP modules.
+
+Parameter names follow the HF checkpoint: `model.*` and `lm_head.*` for the main model; MTP module i is
+`mtp_layers.{i}.*` here and `model.layers.{num_hidden_layers + i}.*` in a checkpoint (see loader.py).
+"""
+import torch
+from torch import nn
+
+from mtpserve.config import ModelConfig
+from mtpserve.model.attention import AttentionMetadata, MLAttention, dense_metadata
+from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding
+from mtpserve.model.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, rotary)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, head: nn.Linear):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = head
+
+
+class MTPLayer(DecoderLayer):
+    """One MTP module: x = eh_proj([enorm(embed(t[p+1])), hnorm(h[p])]) -> decoder block -> shared head."""
+
+    def __init__(self, cfg, layer_idx, rotary, embed_tokens: nn.Embedding, lm_head: nn.Linear):
+        super().__init__(cfg, layer_idx, rotary)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.embed_tokens = embed_tokens          # shared with the main model unless the checkpoint differs
+        self.shared_head = SharedHead(cfg, lm_head)
+
+    def forward(self, input_ids, prev_hidden, positions, meta, kv_cache):
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1))
+        return super().forward(x, positions, meta, kv_cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg)
+        self.model = Backbone(cfg, self.rotary)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp_layers = nn.ModuleList(
+            MTPLayer(cfg, cfg.num_hidden_layers + i, self.rotary, self.model.embed_tokens, self.lm_head)
+            for i in range(cfg.num_nextn_predict_layers))
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp_layers)
+
+    def set_attention_mode(self, mode: str) -> None:
+        if mode not in ("auto", "absorbed", "expanded"):
+            raise ValueError(f"attention mode {mode!r}: must be 'auto', 'absorbed' or 'expanded'")
+        for m in self.modules():
+            if isinstance(m, MLAttention):
+                m.mode = mode
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor] | None) -> torch.Tensor:
+        """Flat batch -> final-normed hidden states [N, hidden]. kv_caches: one per main layer (or None)."""
+        if meta.mask is None:
+            meta.prepare(positions)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, meta, None if kv_caches is None else kv_caches[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, depth: int, input_ids, positions, prev_hidden, meta: AttentionMetadata,
+                    kv_cache: torch.Tensor | None) -> torch.Tensor:
+        """MTP module `depth` on a flat batch; returns its block output (before shared_head.norm)."""
+        if meta.mask is None:
+            meta.prepare(positions)
+        return self.mtp_layers[depth](input_ids, prev_hidden, positions, meta, kv_cache)
+
+    def mtp_logits(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mtp_layers[depth].logits(hidden)
+
+    # Dense [B, T] causal batches without a cache: training and reference checks.
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        meta, positions = dense_metadata(b, t, input_ids.device)
+        return self(input_ids.flatten(), positions, meta, None).view(b, t, -1)
+
+    def mtp_forward_dense(self, depth: int, input_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        meta, positions = dense_metadata(b, t, input_ids.device)
+        out = self.mtp_forward(depth, input_ids.flatten(), positions, prev_hidden.reshape(b * t, -1), meta, None)
+        return out.view(b, t, -1)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))

@@ -1,0 +1,105 @@
+"""Small building blocks: RMSNorm, DeepSeek rotary embedding (with YaRN), the gated MLP."""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpserve.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(cfg: ModelConfig, dim: int) -> tuple[torch.Tensor, float]:
+    rs = cfg.rope_scaling
+    base, factor = cfg.rope_theta, rs["factor"]
+    original_max = rs["original_max_position_embeddings"]
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        return dim * math.log(original_max / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    interpolation = extrapolation / factor
+    inv_freq = interpolation * ramp + extrapolation * (1 - ramp)
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        cos_sin_scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    else:
+        cos_sin_scale = yarn_mscale(factor)
+    return inv_freq, cos_sin_scale
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(d), times YaRN's mscale(factor, mscale_all_dim)^2 when rope scaling is on."""
+    scale = cfg.qk_head_dim ** -0.5
+    rs = cfg.rope_scaling
+    if rs is not None and rs.get("mscale_all_dim"):
+        scale *= yarn_mscale(rs["factor"], rs["mscale_all_dim"]) ** 2
+    return scale
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates DeepSeek's interleaved pairs (x0, x1), (x2, x3), ... of the rope part of q and k.
+
+    The output is laid out de-interleaved ([rotated evens, rotated odds]) — the same permutation for q
+    and k, so dot products are those of the interleaved rotation (as in DeepSeek's reference code).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """(Re)computes the cos/sin tables, e.g. after the model was built on the meta device."""
+        cfg, dim = self.cfg, self.cfg.qk_rope_head_dim
+        if cfg.rope_scaling is not None and cfg.rope_scaling.get("type", cfg.rope_scaling.get("rope_type")) == "yarn":
+            inv_freq, scale = _yarn_inv_freq(cfg, dim)
+        else:
+            inv_freq, scale = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim), 1.0
+        device = self.cos.device
+        angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=device),
+                             inv_freq.to(device))
+        self.cos, self.sin = angles.cos() * scale, angles.sin() * scale
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., tokens, (heads,) dim] where positions matches the tokens axis; heads optional."""
+        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+        if x.dim() == positions.dim() + 2:  # has a heads axis
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)

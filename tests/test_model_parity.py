@@ -1,0 +1,183 @@
+"""The main model is exactly DeepSeek-V3: logits equal Hugging Face transformers' DeepseekV3ForCausalLM on
+the same random checkpoint (fp32, max abs diff < 1e-4), whichever side wrote the checkpoint; the paged,
+chunked, flat-batch path equals the dense one; absorbed and expanded MLA agree.
+
+transformers 5.24 facts these tests rely on (checked in its source):
+- save_pretrained writes per-expert HF keys (`mlp.experts.{e}.gate_proj.weight`, ...), converting back
+  from its fused 3-D `gate_up_proj` / `down_proj`, and spells rope as `rope_parameters` (rope_theta inside).
+- Its router always scores with sigmoid plus e_score_correction_bias, group score = sum of the top-2 in
+  each group, and masks dropped groups with -inf (DeepSeek's HF remote code used 0.0; our configs use a
+  non-negative bias so that both choose the same experts; see conftest.random_tensor).
+"""
+import pytest
+import torch
+
+from conftest import CONFIGS, make_config, max_diff, rerandomize, save_with_transformers
+from mtpserve.model.attention import AttentionMetadata
+from mtpserve.model.checkpoint import write_random_checkpoint
+from mtpserve.model.loader import load_model
+
+PROMPT_LENGTHS = (1, 7, 33)
+TOL = 1e-4
+
+
+def assert_same_logits(ours, hf, vocab_size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for length in PROMPT_LENGTHS:
+        ids = torch.randint(0, vocab_size, (2, length), generator=gen)
+        with torch.no_grad():
+            ref = hf(ids).logits
+            got = ours.compute_logits(ours.forward_dense(ids))
+        assert got.shape == ref.shape
+        assert max_diff(got, ref) < TOL, f"prompt length {length}: max abs diff {max_diff(got, ref)}"
+        assert ref.abs().max() > 1.0  # the comparison is not between two near-zero outputs
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_checkpoint_in_mtpserve(name, tmp_path, load_hf):
+    """Written by transformers' save_pretrained, loaded by us."""
+    cfg = make_config(**CONFIGS[name])
+    path = save_with_transformers(str(tmp_path / "ckpt"), cfg, seed=1)
+    ours = load_model(path, dtype=torch.float32)
+    hf, _ = load_hf(path)
+    assert_same_logits(ours, hf, cfg["vocab_size"], seed=11)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_mtpserve_checkpoint_in_transformers(name, tmp_path, load_hf):
+    """Written by our write_random_checkpoint (its key names and config.json), loaded by transformers."""
+    cfg = make_config(**CONFIGS[name])
+    path = write_random_checkpoint(str(tmp_path / "ckpt"), seed=2, **cfg)
+    rerandomize(path, seed=2)   # our writer's init (std 0.02) is too gentle for a sharp comparison
+    ours = load_model(path, dtype=torch.float32)
+    hf, _ = load_hf(path)
+    assert_same_logits(ours, hf, cfg["vocab_size"], seed=12)
+
+
+def test_moe_test_config_exercises_routing(tmp_path, load_hf):
+    """Guards the test configs: the correction bias and the group limit both change which experts are
+    chosen (else the MoE parity tests would not check them)."""
+    cfg = make_config(**CONFIGS["moe_noqlora_yarn_norm"])
+    path = save_with_transformers(str(tmp_path / "ckpt"), cfg, seed=1)
+    hf, _ = load_hf(path)
+    gate = hf.model.layers[1].mlp.gate
+    x = torch.randn(256, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, _, chosen = gate(x)
+        scores = torch.sigmoid(x @ gate.weight.T)
+        no_bias = scores.topk(cfg["num_experts_per_tok"], dim=-1).indices
+        with_bias_no_groups = (scores + gate.e_score_correction_bias).topk(cfg["num_experts_per_tok"], dim=-1).indices
+    as_sets = lambda t: [frozenset(r.tolist()) for r in t]  # noqa: E731
+    assert as_sets(chosen) != as_sets(no_bias)
+    assert as_sets(chosen) != as_sets(with_bias_no_groups)
+    assert gate.e_score_correction_bias.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------- paged path
+
+BLOCK_SIZE = 4
+
+
+class PagedRun:
+    """Drives model(input_ids, positions, meta, kv_caches) over a paged cache with shuffled block tables."""
+
+    def __init__(self, model, seq_lens_total, seed):
+        cfg = model.config
+        self.model = model
+        gen = torch.Generator().manual_seed(seed)
+        blocks_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens_total]
+        num_blocks = sum(blocks_per_req) + 1   # the last block takes slot -1 writes; never handed out
+        perm = torch.randperm(num_blocks - 1, generator=gen).tolist()
+        self.block_tables = torch.zeros(len(seq_lens_total) + 1, max(blocks_per_req), dtype=torch.long)
+        start = 0
+        for r, nb in enumerate(blocks_per_req):
+            self.block_tables[r, :nb] = torch.tensor(perm[start:start + nb])
+            start += nb
+        # Unwritten slots hold large random values: reading one (a masking or slot bug) shows in the output.
+        self.kv_caches = [1e3 * torch.randn(num_blocks, BLOCK_SIZE, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                            generator=gen) for _ in range(cfg.num_hidden_layers)]
+
+    def step(self, seqs, chunks, pad_rows=0):
+        """chunks: per request (start, end) token positions to run this step. pad_rows: extra padding rows
+        (1 query token, KV length 0, slot -1) as graph mode adds. Returns per request hidden [end-start, H]."""
+        ids, pos, slots, qsl, seq_lens, rows = [], [], [], [0], [], []
+        for r, (s, e) in enumerate(chunks):
+            p = torch.arange(s, e)
+            ids.append(seqs[r][s:e])
+            pos.append(p)
+            slots.append(self.block_tables[r][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            qsl.append(qsl[-1] + e - s)
+            seq_lens.append(e)
+            rows.append(r)
+        for _ in range(pad_rows):
+            ids.append(torch.zeros(1, dtype=torch.long))
+            pos.append(torch.zeros(1, dtype=torch.long))
+            slots.append(torch.full((1,), -1, dtype=torch.long))
+            qsl.append(qsl[-1] + 1)
+            seq_lens.append(0)
+            rows.append(len(seqs))     # the all-zero block-table row
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens), slot_mapping=torch.cat(slots),
+            block_tables=self.block_tables[rows], max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_seq_len=max(seq_lens))
+        with torch.no_grad():
+            h = self.model(torch.cat(ids), torch.cat(pos), meta, self.kv_caches)
+        return [h[qsl[r]:qsl[r + 1]] for r in range(len(chunks))]
+
+
+# Steps of a two-request run: chunked prefill (mixed with the other request's prefill), a 1+k-token
+# verify-like step, 1-token decodes, padding rows.
+SCHEDULE = [
+    ([(0, 5), (0, 6)], 0),
+    ([(5, 13), (6, 9)], 0),
+    ([(13, 14), (9, 10)], 2),
+    ([(14, 17), (10, 11)], 1),
+    ([(17, 18), (11, 14)], 0),
+    ([(18, 19), (14, 15)], 0),
+]
+
+
+@pytest.fixture(scope="module")
+def paged_model(tmp_path_factory):
+    cfg = make_config(**CONFIGS["moe_noqlora_yarn_norm"])
+    path = write_random_checkpoint(str(tmp_path_factory.mktemp("paged")), seed=3, **cfg)
+    rerandomize(path, seed=3)
+    return load_model(path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["absorbed", "expanded", "auto"])
+def test_paged_chunked_equals_dense(paged_model, mode):
+    model = paged_model
+    lengths = (19, 15)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+    model.set_attention_mode("expanded")
+    with torch.no_grad():
+        dense = [model.compute_logits(model.forward_dense(s[None]))[0] for s in seqs]
+    model.set_attention_mode(mode)
+    try:
+        run = PagedRun(model, lengths, seed=7)
+        got = [[], []]
+        for chunks, pads in SCHEDULE:
+            for r, h in enumerate(run.step(seqs, chunks, pad_rows=pads)):
+                got[r].append(model.compute_logits(h))
+        for r in range(2):
+            paged = torch.cat(got[r])
+            assert paged.shape == dense[r].shape
+            assert max_diff(paged, dense[r]) < TOL, f"request {r}: {max_diff(paged, dense[r])}"
+    finally:
+        model.set_attention_mode("auto")
+
+
+def test_absorbed_and_expanded_mla_agree(paged_model):
+    model = paged_model
+    ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(9))
+    out = {}
+    try:
+        for mode in ("absorbed", "expanded"):
+            model.set_attention_mode(mode)
+            with torch.no_grad():
+                out[mode] = model.compute_logits(model.forward_dense(ids))
+    finally:
+        model.set_attention_mode("auto")
+    assert max_diff(out["absorbed"], out["expanded"]) < TOL
