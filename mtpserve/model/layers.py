@@ -92,7 +92,8 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq, scale = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim), 1.0
         device = self.cos.device
-        angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=device),
+        # spare rows: draft passes may write a few slots past max_position_embeddings (never read)
+        angles = torch.outer(torch.arange(cfg.max_position_embeddings + 64, dtype=torch.float32, device=device),
                              inv_freq.to(device))
         self.cos, self.sin = angles.cos() * scale, angles.sin() * scale
 

@@ -1,0 +1,79 @@
+"""A request's state inside the engine, and the vLLM-shaped outputs handed to callers."""
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mtpserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                                  # resolved against max_model_len
+    generator: torch.Generator | None = None         # per-request seed
+    index: int = 0                                   # which of the parent's n completions
+    parent_id: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0                     # tokens whose main and MTP KV are valid
+    block_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None          # [k, V] when drafts were sampled
+    text: str = ""
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,103 @@
+"""Continuous batching: who runs this step and with how many query tokens.
+
+Running requests go first (FCFS), then waiting ones, within a token budget per step. Prompts longer than
+what is left of the budget are split into chunks (chunked prefill) and mixed with decodes. A decoding
+request with drafts is scheduled with 1 + k query tokens (its pending token and the k drafts). When KV
+blocks run out, the newest running request is preempted: its blocks are freed and it is recomputed later.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from mtpserve.engine.kv_cache import BlockManager
+from mtpserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    start: int                   # position of the first query token (= tokens already in the KV cache)
+    num_new_tokens: int          # known tokens computed this step (a prompt chunk, or the pending token)
+    draft_token_ids: list[int]   # drafts verified after them (only when the request samples this step)
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_new_tokens == self.req.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_new_tokens + len(self.draft_token_ids)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_lookahead_slots: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_slots = num_lookahead_slots   # KV slots the MTP draft passes write ahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        scheduled = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            item = self._plan(req, budget)
+            while not self.block_manager.allocate(req, self._slots_needed(item)):
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            scheduled.append(item)
+            budget -= item.num_query_tokens
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            item = self._plan(req, budget)
+            if not self.block_manager.allocate(req, self._slots_needed(item)):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(item)
+            budget -= item.num_query_tokens
+        return scheduled
+
+    def _plan(self, req: Request, budget: int) -> ScheduledRequest:
+        remaining = req.num_tokens - req.num_computed_tokens
+        num_new = min(remaining, budget)
+        drafts = req.draft_token_ids if num_new == remaining else []
+        if num_new + len(drafts) > budget:
+            drafts = []   # the budget is nearly spent: verify nothing this step, draft again after
+        return ScheduledRequest(req, req.num_computed_tokens, num_new, list(drafts))
+
+    def _slots_needed(self, item: ScheduledRequest) -> int:
+        lookahead = self.num_lookahead_slots if item.samples else 0
+        return item.start + item.num_query_tokens + lookahead
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.draft_token_ids, req.draft_probs = [], None
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        self.block_manager.free(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)

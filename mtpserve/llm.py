@@ -1,0 +1,56 @@
+"""The offline API: LLM(...).generate(prompts, SamplingParams(...))."""
+import itertools
+
+from tqdm import tqdm
+
+from mtpserve.engine.engine import LLMEngine
+from mtpserve.engine.request import RequestOutput
+from mtpserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, speculative_config: dict | None = None,
+                 enforce_eager: bool = True, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 dtype: str = "auto", seed: int = 0, **engine_kwargs):
+        self.engine = LLMEngine.from_kwargs(model=model, speculative_config=speculative_config,
+                                            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
+                                            max_model_len=max_model_len, dtype=dtype, seed=seed, **engine_kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_metrics(self) -> dict:
+        return self.engine.get_metrics()
+
+    def generate(self, prompts: str | list[str] | None = None, sampling_params=None,
+                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs all prompts to completion; outputs come back in the order of the prompts. If one prompt is
+        bad (ValueError), nothing is left queued."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        items = [(p, None) for p in prompts] if prompts is not None else [(None, t) for t in prompt_token_ids or []]
+        if not items:
+            raise ValueError("prompts: give prompts or prompt_token_ids")
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(items)} prompts")
+        ids = []
+        try:
+            for (prompt, tokens), p in zip(items, params):
+                ids.append(str(next(self._ids)))
+                self.engine.add_request(ids[-1], prompt, tokens, p)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,104 @@
+"""One engine step on the model: the target forward, sampling or verification, then MTP drafting."""
+from dataclasses import dataclass
+
+import torch
+
+from mtpserve.config import SpeculativeConfig
+from mtpserve.engine.scheduler import ScheduledRequest
+from mtpserve.runner.batch import Row, build_batch
+from mtpserve.sampling.sampler import draw, logits_to_probs, sample, sampling_tensors
+from mtpserve.spec.proposer import MTPProposer
+from mtpserve.spec.verify import verify_tokens
+
+
+@dataclass
+class StepResult:
+    new_token_ids: list[int]                 # accepted drafts, then one token from the target model
+    num_drafts: int = 0                      # drafts verified this step
+    num_accepted: int = 0
+    next_drafts: list[int] | None = None
+    next_draft_probs: torch.Tensor | None = None
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
+                 device, kv_dtype: torch.dtype, seed: int = 0):
+        cfg = model.config
+        self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
+        num_mtp_caches = max(1, min(cfg.num_nextn_predict_layers, spec.num_speculative_tokens)) if spec else 0
+        # One more block than the manager hands out: slot -1 (padding) lands in its last row.
+        self.kv_caches = [torch.zeros(num_blocks + 1, block_size, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
+                          for _ in range(cfg.num_hidden_layers + num_mtp_caches)]
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.proposer = None
+        if spec is not None:
+            self.proposer = MTPProposer(model, spec, self.kv_caches[cfg.num_hidden_layers:], block_size,
+                                        device, self.generator)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+        rows = []
+        for s in scheduled:
+            tokens = s.req.all_token_ids[s.start:s.start + s.num_new_tokens] + s.draft_token_ids
+            if self.spec is not None and self.spec.scorer == "batch_expansion" and s.draft_token_ids:
+                rows += [Row([t], s.start + j, s.req.block_ids) for j, t in enumerate(tokens)]
+            else:
+                rows.append(Row(tokens, s.start, s.req.block_ids))
+        input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches[:self.model.config.num_hidden_layers])
+        offsets = [0]
+        for s in scheduled:
+            offsets.append(offsets[-1] + s.num_query_tokens)
+        results = [StepResult([]) for _ in scheduled]
+        self._sample([i for i, s in enumerate(scheduled) if s.samples and not s.draft_token_ids],
+                     scheduled, hidden, offsets, results)
+        self._verify([i for i, s in enumerate(scheduled) if s.samples and s.draft_token_ids],
+                     scheduled, hidden, offsets, results)
+        if self.proposer is not None:
+            self.proposer.propose(scheduled, hidden, offsets, results)
+        return results
+
+    def _target_probs(self, reqs, hidden_rows, repeats):
+        logits = self.model.compute_logits(hidden_rows)
+        return logits_to_probs(logits, *sampling_tensors(reqs, repeats, self.device))
+
+    def _sample(self, idx, scheduled, hidden, offsets, results):
+        if not idx:
+            return
+        reqs = [scheduled[i].req for i in idx]
+        probs = self._target_probs(reqs, hidden[[offsets[i + 1] - 1 for i in idx]], None)
+        noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device)
+        for i, token in zip(idx, sample(probs, noise).tolist()):
+            results[i].new_token_ids = [token]
+
+    def _verify(self, idx, scheduled, hidden, offsets, results):
+        if not idx:
+            return
+        k = len(scheduled[idx[0]].draft_token_ids)
+        reqs = [scheduled[i].req for i in idx]
+        rows = [offsets[i + 1] - k - 1 + j for i in idx for j in range(k + 1)]
+        target = self._target_probs(reqs, hidden[rows], [k + 1] * len(idx)).view(len(idx), k + 1, -1)
+        drafts = torch.tensor([scheduled[i].draft_token_ids for i in idx], device=self.device)
+        gens = [r.generator for r in reqs]
+        uniforms = draw(gens, (k,), "uniform", self.generator, self.device)
+        noise = draw(gens, (k + 1, target.shape[-1]), "exponential", self.generator, self.device)
+        if self.spec.synthetic_acceptance is not None:
+            tokens, accepted = self._synthetic(drafts, target, uniforms, noise)
+        else:
+            draft_probs = None
+            if self.spec.draft_sampling == "probabilistic":
+                draft_probs = torch.stack([r.draft_probs for r in reqs])
+            tokens, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise, self.spec.verification)
+        for i, row, a in zip(idx, tokens.tolist(), accepted.tolist()):
+            results[i].new_token_ids = row[:a + 1]
+            results[i].num_drafts, results[i].num_accepted = k, a
+
+    def _synthetic(self, drafts, target, uniforms, noise):
+        """Measurement mode (bench --synthetic-acceptance): each draft passes with a fixed probability,
+        whatever the models say. Measures the machinery's cost on random weights; NOT lossless."""
+        passed = (uniforms < self.spec.synthetic_acceptance).long()
+        accepted = passed.cumprod(-1).sum(-1)
+        extra = sample(target, noise)                       # [B, k+1]
+        tokens = torch.cat([drafts, extra[:, -1:]], dim=-1)
+        tokens.scatter_(1, accepted.unsqueeze(-1), extra.gather(1, accepted.unsqueeze(-1)))
+        return tokens, accepted

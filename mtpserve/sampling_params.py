@@ -1,0 +1,47 @@
+"""Per-request sampling parameters (vLLM's names and defaults)."""
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                       # -1 or 0: off
+    max_tokens: int | None = 16           # None: up to max_model_len
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(name, why):
+            raise ValueError(f"{name} = {getattr(self, name)!r}: {why}")
+        if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
+            bad("n", "must be an integer in [1, 128]")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be a positive integer")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
