@@ -1,0 +1,92 @@
+"""Command line: mtpserve generate | serve | bench | train."""
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(root):",
+                   "class Stack:\n    def __init__(self):"]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF DeepSeek-V3 checkpoint directory (default: the shipped model)")
+    p.add_argument("--speculative-config", default=None, type=json.loads,
+                   help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args) -> dict:
+    return dict(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, dtype=args.dtype,
+                device=args.device, enforce_eager=args.enforce_eager, seed=args.seed)
+
+
+def run_generate(args) -> None:
+    from mtpserve import LLM, SamplingParams
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for out in outputs:
+        print(f"--- prompt: {out.prompt!r}\n{out.prompt}{out.outputs[0].text}\n")
+    print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tok/s)")
+    if args.speculative_config:
+        m = llm.get_metrics()
+        print(f"speculation: acceptance rate {m['acceptance_rate']:.3f}, "
+              f"mean acceptance length {m['mean_acceptance_length']:.2f}, per position {m['accepted_per_position']}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few Python openings")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.set_defaults(func=run_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from mtpserve.serve.openai_api import add_serve_args, run_server
+    add_serve_args(serve)
+    serve.set_defaults(func=run_server)
+
+    train = sub.add_parser("train", help="train a DeepSeek-V3 + MTP model on the standard library's source")
+    from mtpserve.train.train import add_train_args, run_train
+    add_train_args(train)
+    train.set_defaults(func=run_train)
+
+    try:
+        from mtpserve.bench.cli import add_bench_args, run_bench
+        bench = sub.add_parser("bench", help="latency / throughput / serving benchmarks")
+        add_bench_args(bench)
+        bench.set_defaults(func=run_bench)
+    except ImportError:
+        pass
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
