@@ -40,6 +40,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0
     attention_bias: bool = False
+    rope_interleave: bool = True
     bos_token_id: int | None = 0
     eos_token_id: int | list | None = 1
     torch_dtype: str | None = None
@@ -112,6 +113,8 @@ class ModelConfig:
                 refuse("topk_group", f"must be in [1, n_group={self.n_group}]")
             if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
                 refuse("num_experts_per_tok", f"must be in [1, n_routed_experts={self.n_routed_experts}]")
+            if self.topk_method == "noaux_tc" and self.n_routed_experts // self.n_group < 2:
+                refuse("n_group", "noaux_tc scores a group by its top-2 experts: needs >= 2 experts per group")
             if self.moe_layer_freq < 1:
                 refuse("moe_layer_freq", "must be >= 1")
         if self.qk_rope_head_dim % 2:

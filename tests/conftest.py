@@ -9,10 +9,12 @@ show.
 import json
 import math
 import os
-import re
 
 import pytest
 import torch
+
+# Tiny models: one thread is much faster than two fighting over a shared 2-core machine.
+torch.set_num_threads(1)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -66,20 +68,22 @@ BASE = {
 
 
 def make_config(**overrides) -> dict:
+    # deep copies: transformers' config standardization edits rope dicts in place
     cfg = json.loads(json.dumps(BASE))
-    cfg.update(overrides)
+    cfg.update(json.loads(json.dumps(overrides)))
     return cfg
 
 
 # The configurations the parity tests run (each option both ways somewhere):
-#   q_lora_rank set / None, dense-only / MoE, norm_topk_prob True / False, YaRN on / off.
+#   q_lora_rank set / None, dense-only / MoE, norm_topk_prob True / False, YaRN on / off (and once
+#   attention_bias, which DeepSeek's checkpoints do not use but their config format allows).
 # Dense-only = first_k_dense_replace == num_hidden_layers (the MTP layer, index L, is still MoE: both
 # transformers and DeepSeek make MTP layers MoE).
 CONFIGS = {
     "dense_qlora_yarn": dict(first_k_dense_replace=3, rope_scaling=YARN),
     "dense_noqlora": dict(first_k_dense_replace=3, q_lora_rank=None),
     "moe_noqlora_yarn_norm": dict(q_lora_rank=None, rope_scaling=YARN, norm_topk_prob=True),
-    "moe_qlora_nonorm": dict(norm_topk_prob=False, routed_scaling_factor=1.5),
+    "moe_qlora_nonorm": dict(norm_topk_prob=False, routed_scaling_factor=1.5, attention_bias=True),
 }
 
 
@@ -117,6 +121,11 @@ def layer_shapes(cfg: dict, layer_idx: int) -> dict:
     out[a + "kv_a_layernorm.weight"] = (cfg["kv_lora_rank"],)
     out[a + "kv_b_proj.weight"] = (heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"])
     out[a + "o_proj.weight"] = (h, heads * cfg["v_head_dim"])
+    if cfg.get("attention_bias"):
+        out[a + "kv_a_proj_with_mqa.bias"] = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"],)
+        out[a + "o_proj.bias"] = (h,)
+        if cfg.get("q_lora_rank") is not None:
+            out[a + "q_a_proj.bias"] = (cfg["q_lora_rank"],)
     moe = (cfg.get("n_routed_experts") and layer_idx >= cfg["first_k_dense_replace"]
            and layer_idx % cfg.get("moe_layer_freq", 1) == 0)
     if moe:

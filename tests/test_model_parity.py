@@ -169,6 +169,32 @@ def test_paged_chunked_equals_dense(paged_model, mode):
         model.set_attention_mode("auto")
 
 
+@pytest.mark.parametrize("mode", ["absorbed", "expanded"])
+def test_rejected_draft_kv_is_overwritten(paged_model, mode):
+    """A verify step writes KV for drafts that are then rejected; the next step rewrites those slots with
+    the accepted tokens, and everything equals the dense pass over the final sequence."""
+    model = paged_model
+    n = 16
+    true = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(17))
+    drafted = true.clone()
+    drafted[11:14] = (true[11:14] + 1) % model.config.vocab_size     # 3 wrong drafts after position 10
+    model.set_attention_mode("expanded")
+    with torch.no_grad():
+        dense = model.compute_logits(model.forward_dense(true[None]))[0]
+    model.set_attention_mode(mode)
+    try:
+        run = PagedRun(model, [n], seed=8)
+        first = run.step([true], [(0, 10)])[0]
+        verify = run.step([drafted], [(10, 14)])[0]          # 1 + 3 drafts; only position 10 is right
+        rest = run.step([true], [(11, 14)])[0]               # accepted 1: redo 11..13 with the true tokens
+        last = run.step([true], [(14, 16)])[0]
+    finally:
+        model.set_attention_mode("auto")
+    got = torch.cat([first, verify[:1], rest, last])
+    assert max_diff(model.compute_logits(got), dense) < TOL
+    assert max_diff(model.compute_logits(verify[1:]), dense[11:14]) > 1e-2   # the drafts did differ
+
+
 def test_absorbed_and_expanded_mla_agree(paged_model):
     model = paged_model
     ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(9))
@@ -181,3 +207,40 @@ def test_absorbed_and_expanded_mla_agree(paged_model):
     finally:
         model.set_attention_mode("auto")
     assert max_diff(out["absorbed"], out["expanded"]) < TOL
+
+
+@pytest.mark.parametrize("topk_method,n_group,topk_group", [("greedy", 1, 1), ("group_limited_greedy", 4, 2)])
+def test_deepseek_v2_checkpoint_equals_transformers(topk_method, n_group, topk_group, tmp_path):
+    """DeepSeek-V2 (softmax routing, no correction bias, no MTP) written by transformers' DeepseekV2."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    from conftest import YARN, random_tensor
+    cfg = make_config(model_type="deepseek_v2", topk_method=topk_method, n_group=n_group, topk_group=topk_group,
+                      norm_topk_prob=False, routed_scaling_factor=1.5, q_lora_rank=None, num_nextn_predict_layers=0,
+                      rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707))   # V2's own mscale values
+    for k in ("scoring_func", "architectures"):
+        cfg.pop(k)
+    hf = DeepseekV2ForCausalLM(DeepseekV2Config.from_dict(cfg))
+    gen = torch.Generator().manual_seed(21)
+    with torch.no_grad():
+        for name, t in hf.state_dict().items():
+            t.copy_(random_tensor(name, t.shape, gen))
+    hf.save_pretrained(str(tmp_path))
+    ours = load_model(str(tmp_path), dtype=torch.float32)
+    assert ours.config.model_type == "deepseek_v2" and ours.config.scoring_func == "softmax"
+    hf = DeepseekV2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+    assert_same_logits(ours, hf, cfg["vocab_size"], seed=22)
+
+
+def test_rope_interleave_false_is_refused_or_exact(tmp_path, load_hf):
+    """transformers' DeepseekV3Config has rope_interleave (default True, as DeepSeek's checkpoints imply);
+    a checkpoint saying False must either be refused naming the field or computed as transformers does."""
+    from mtpserve.config import ModelConfig
+    cfg = make_config(rope_interleave=False)
+    try:
+        ModelConfig.from_dict(cfg)
+    except ValueError as err:
+        assert "rope_interleave" in str(err)
+        return
+    path = save_with_transformers(str(tmp_path / "ckpt"), cfg, seed=1)
+    hf, _ = load_hf(path)
+    assert_same_logits(load_model(path, dtype=torch.float32), hf, cfg["vocab_size"], seed=11)

@@ -102,5 +102,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
         if x.dim() == positions.dim() + 2:  # has a heads axis
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+        if self.cfg.rope_interleave:
+            first, second = x[..., 0::2], x[..., 1::2]
+        else:  # the halves form the pairs (rotate_half layout)
+            first, second = x.chunk(2, dim=-1)
+        return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from mtpserve.config import ModelConfig
+from mtpserve.model.checkpoint import hf_name
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -91,10 +92,11 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
                 unexpected.append(key)
             elif tuple(t.shape) != tuple(params[name].shape):
                 bad_shape.append(f"{key}: checkpoint {tuple(t.shape)}, model {tuple(params[name].shape)}")
+                loaded.add(name)   # reported once, as wrongly shaped
             else:
                 params[name].copy_(t)
                 loaded.add(name)
-        missing = sorted(set(params) - loaded - optional)
+        missing = sorted(hf_name(n, cfg.num_hidden_layers) for n in set(params) - loaded - optional)
         if missing or unexpected or bad_shape:
             lines = [f"missing: {missing}"] * bool(missing) + [f"unexpected: {sorted(unexpected)}"] * bool(unexpected)
             raise ValueError(f"checkpoint {path!r} does not match the config:\n  "

@@ -4,11 +4,12 @@ from __future__ import annotations
 import csv
 
 
-def _smooth(values: list[float], alpha: float = 0.05) -> list[float]:
-    out, avg = [], None
-    for v in values:
-        avg = v if avg is None else (1 - alpha) * avg + alpha * v
-        out.append(avg)
+def _smooth(values: list[float], window: int = 10) -> list[float]:
+    """Trailing moving average (no lag at the start, unlike an EMA)."""
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1):i + 1]
+        out.append(sum(chunk) / len(chunk))
     return out
 
 

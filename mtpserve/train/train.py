@@ -80,6 +80,13 @@ def lr_at(args, step: int, progress: float) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
 
 
+def train_row(step: int, t0: float, lr: float, o) -> dict:
+    row = {"step": step, "elapsed_s": round(time.time() - t0, 1), "lr": f"{lr:.3e}",
+           "loss": round(o.loss.item(), 4), "main_loss": round(o.main_loss, 4)}
+    row.update({f"mtp{k + 1}_loss": round(v, 4) for k, v in enumerate(o.mtp_losses)})
+    return row
+
+
 def prepare_data(args, run_dir: Path):
     """Tokenizer (trained or loaded) and the train / held-out token streams."""
     root = Path(args.corpus_root) if args.corpus_root else data.stdlib_root()
@@ -137,7 +144,7 @@ def run_train(args) -> dict:
     budget = args.max_minutes * 60 if args.max_minutes else None
     t0 = time.time()
     model.train()
-    step, last_eval = 0, None
+    step = 0
     while step < args.steps:
         elapsed = time.time() - t0
         if budget is not None and elapsed >= budget:
@@ -157,14 +164,9 @@ def run_train(args) -> dict:
         balancer.update()
         step += 1
         row = None
-        if step % args.log_every == 0 or step == 1:
-            row = {"step": step, "elapsed_s": round(time.time() - t0, 1), "lr": f"{lr:.3e}",
-                   "loss": round(o.loss.item(), 4), "main_loss": round(o.main_loss, 4)}
-            row.update({f"mtp{k + 1}_loss": round(v, 4) for k, v in enumerate(o.mtp_losses)})
+        if step % args.log_every == 0 or step == 1 or step % args.eval_every == 0:
+            row = train_row(step, t0, lr, o)
         if step % args.eval_every == 0:
-            row = row or {"step": step, "elapsed_s": round(time.time() - t0, 1), "lr": f"{lr:.3e}",
-                          "loss": round(o.loss.item(), 4), "main_loss": round(o.main_loss, 4),
-                          **{f"mtp{k + 1}_loss": round(v, 4) for k, v in enumerate(o.mtp_losses)}}
             last_eval = loss_mod.evaluate(model, eval_set, depth)
             row.update({f"eval_{k}": round(v, 4) for k, v in last_eval.items()})
         if row:
@@ -174,10 +176,9 @@ def run_train(args) -> dict:
     train_seconds = time.time() - t0
     final = loss_mod.evaluate(model, data.eval_windows(held_tokens, window, 10_000), depth)
     if step % args.eval_every != 0:  # make sure the curve ends with an eval point
-        writer.writerow({"step": step, "elapsed_s": round(train_seconds, 1), "lr": f"{lr:.3e}",
-                         "loss": round(o.loss.item(), 4), "main_loss": round(o.main_loss, 4),
-                         **{f"mtp{k + 1}_loss": round(v, 4) for k, v in enumerate(o.mtp_losses)},
-                         **{f"eval_{k}": round(v, 4) for k, v in final.items()}})
+        row = train_row(step, t0, lr, o)
+        row.update({f"eval_{k}": round(v, 4) for k, v in final.items()})
+        writer.writerow(row)
     f_csv.close()
     plot.plot_curves(csv_path, run_dir / "curve.png",
                      title=f"{out.name}: {info['total_params'] / 1e6:.1f}M params, D={depth}, {step} steps")

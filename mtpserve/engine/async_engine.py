@@ -1,0 +1,241 @@
+"""AsyncEngine: the LLMEngine behind an asyncio server.
+
+The engine is not thread-safe, so one background thread owns it: every engine call (add_request,
+abort_request, step, get_stats, get_metrics) happens on that thread. Coroutines talk to it through a
+command queue; the thread hands outputs back to each request's asyncio.Queue with call_soon_threadsafe.
+
+    stream = await async_engine.add_request(rid, prompt, prompt_token_ids, params)  # ValueError on bad input
+    async for out in stream: ...                  # cumulative RequestOutputs; the last has finished=True
+    async for out in async_engine.generate(...)   # both in one; aborts the request if the consumer stops
+
+A consumer that stops early (client disconnect) aborts its request, which frees its KV blocks. An
+exception from engine.step() fails the requests that were in the engine (each gets an EngineError) and
+the loop carries on with new requests.
+"""
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """Too many requests are waiting; the server answers 503 with Retry-After."""
+
+
+class EngineError(Exception):
+    """The engine failed while running this request."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop has stopped."""
+
+
+_ADDED = object()   # first item of a stream: the engine accepted the request
+
+
+class RequestStream:
+    """One request's outputs, filled by the engine thread, read by one coroutine."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncEngine"):
+        self.request_id, self.loop, self.owner = request_id, loop, owner
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self.aborted = False
+
+    def put(self, item) -> None:   # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:       # the event loop is closed: nobody is listening
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = self.aborted = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_queue_len: int | None = None, on_outputs=None, on_abort=None):
+        """on_outputs(outputs, now) / on_abort(request_id): called on the engine thread after each step /
+        abort (metrics)."""
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_queue_len = max_queue_len
+        self.on_outputs, self.on_abort = on_outputs, on_abort
+        self._commands: deque = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, RequestStream] = {}   # engine thread only
+        self._pending_adds = 0                          # under _wake
+        self._stop = False
+        self.stats = dict(engine.get_stats())           # snapshots, refreshed by the engine thread
+        self.spec_metrics = dict(engine.get_metrics())
+        self.num_step_errors = 0
+        self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- any thread / coroutine ----
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def num_waiting(self) -> int:
+        with self._wake:
+            return self.stats.get("num_waiting", 0) + self._pending_adds
+
+    def _send(self, command: tuple) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    async def add_request(self, request_id: str, prompt, prompt_token_ids, params) -> RequestStream:
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self)
+        with self._wake:
+            if self.max_queue_len is not None and \
+                    self.stats.get("num_waiting", 0) + self._pending_adds >= self.max_queue_len:
+                raise QueueFullError(f"{self.max_queue_len} requests are already waiting (--max-queue-len)")
+            self._pending_adds += 1
+            self._commands.append(("add", request_id, prompt, prompt_token_ids, params, stream))
+            self._wake.notify()
+        try:
+            first = await stream.queue.get()
+        except BaseException:   # cancelled while being added
+            stream.abort()
+            raise
+        if isinstance(first, BaseException):
+            stream.finished = True
+            raise first
+        return stream
+
+    async def generate(self, prompt, prompt_token_ids, params, request_id: str):
+        """Cumulative RequestOutputs of one request; stopping early aborts it."""
+        stream = await self.add_request(request_id, prompt, prompt_token_ids, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                if self._stop:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            try:
+                for command in commands:
+                    self._handle(command)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                elif self._streams:   # the engine dropped requests without a final output
+                    self._fail_all(EngineError("the engine dropped the request"), abort=False)
+            except Exception as e:   # never let the loop die
+                logger.exception("engine loop iteration failed")
+                self._fail_all(EngineError(f"engine failure: {type(e).__name__}: {e}"))
+            self._refresh(sum(c[0] == "add" for c in commands))
+        dead = EngineDeadError("the engine was shut down")
+        self._fail_all(dead, abort=False)
+        with self._wake:
+            for command in self._commands:
+                if command[0] == "add":
+                    command[-1].put(dead)
+
+    def _fail_all(self, error: Exception, abort: bool = True) -> None:
+        for rid, stream in list(self._streams.items()):
+            if abort:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:
+                    logger.exception("abort_request(%r) failed", rid)
+            stream.put(error)
+        self._streams.clear()
+
+    def _handle(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, rid, prompt, ids, params, stream = command
+            try:
+                if rid in self._streams:
+                    raise ValueError(f"request_id {rid!r} is already running")
+                self.engine.add_request(rid, prompt, ids, params)
+            except Exception as e:   # ValueError naming the field, or anything else from the engine
+                stream.put(e if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}"))
+                return
+            self._streams[rid] = stream
+            stream.put(_ADDED)
+        elif command[0] == "abort":
+            rid = command[1]
+            if self._streams.pop(rid, None) is not None:
+                try:
+                    self.engine.abort_request(rid)
+                    if self.on_abort is not None:
+                        self.on_abort(rid)
+                except Exception:
+                    logger.exception("abort_request(%r) failed", rid)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.num_step_errors += 1
+            logger.exception("engine step failed; failing the %d requests in the engine", len(self._streams))
+            self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+            return
+        self._refresh(0)   # consumers that see a finished output then see its KV blocks freed
+        if self.on_outputs is not None and outputs:   # before the consumers see them
+            try:
+                self.on_outputs(outputs, time.monotonic())
+            except Exception:
+                logger.exception("on_outputs failed")
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue   # aborted meanwhile
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _refresh(self, num_adds: int) -> None:
+        """New snapshots; the adds just handled stop counting as pending in the same breath, so that
+        num_waiting() never misses them."""
+        try:
+            stats, spec = dict(self.engine.get_stats()), dict(self.engine.get_metrics())
+        except Exception:
+            logger.exception("get_stats/get_metrics failed")
+            stats, spec = self.stats, self.spec_metrics
+        with self._wake:
+            self.stats, self.spec_metrics = stats, spec
+            self._pending_adds -= num_adds

@@ -1,0 +1,194 @@
+"""From a parsed OpenAI request to engine requests, and from engine outputs to OpenAI responses/chunks."""
+import asyncio
+from contextlib import aclosing
+import json
+import re
+import time
+
+from mtpserve.engine.async_engine import EngineDeadError, EngineError, QueueFullError
+from mtpserve.sampling_params import SamplingParams
+from mtpserve.serve import protocol
+from mtpserve.serve.protocol import APIError
+
+_FIELD_NAMES = sorted(list(protocol.SAMPLING_FIELDS) + ["stop", "prompt_token_ids", "prompt"], key=len,
+                      reverse=True)
+
+
+def guess_param(message: str, default: str | None = None) -> str | None:
+    """The request field an engine/SamplingParams error message names ('temperature = -1: ...')."""
+    for name in _FIELD_NAMES:
+        if re.search(rf"\b{name}\b", message):
+            return "prompt" if name == "prompt_token_ids" else name
+    return default
+
+
+def prepare_prompts(req: protocol.GenerationRequest, tokenizer, max_model_len: int, chat: bool) -> list:
+    """[(prompt text or None, prompt token ids)]; checks each prompt against max_model_len."""
+    if chat:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            raise APIError(f"'messages' could not be rendered by the chat template: {e}", param="messages")
+        prompts = [(text, tokenizer.encode(text, add_special_tokens=False))]
+    else:
+        prompts = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                if tokenizer is None:
+                    raise APIError("this model has no tokenizer: send 'prompt' as token ids", param="prompt")
+                prompts.append((p, tokenizer.encode(p)))
+            else:
+                prompts.append((None, list(p)))
+    field = "messages" if chat else "prompt"
+    for _, ids in prompts:
+        if len(ids) >= max_model_len:
+            raise APIError(f"'{field}' has {len(ids)} tokens; this model's maximum context length is "
+                           f"{max_model_len} tokens (prompt + completion)", param=field)
+    return prompts
+
+
+def make_params(req: protocol.GenerationRequest, num_prompt_tokens: int, max_model_len: int,
+                chat: bool) -> SamplingParams:
+    kwargs = dict(req.sampling)
+    room = max_model_len - num_prompt_tokens
+    max_tokens = kwargs.get("max_tokens")
+    if max_tokens is None:   # OpenAI's defaults: 16 for completions, the rest of the context for chat
+        kwargs["max_tokens"] = room if chat else min(16, room)
+    elif max_tokens > room and max_tokens >= 1:
+        raise APIError(f"'max_tokens' = {max_tokens} is too large: the prompt has {num_prompt_tokens} tokens "
+                       f"and this model's maximum context length is {max_model_len}", param="max_tokens")
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), param=guess_param(str(e)))
+
+
+async def start_requests(async_engine, request_id: str, prompts: list, params: list) -> list:
+    """Adds one engine request per prompt; on any failure aborts those already added."""
+    streams = []
+    try:
+        for i, ((text, ids), p) in enumerate(zip(prompts, params)):
+            streams.append(await async_engine.add_request(f"{request_id}-{i}", text, ids, p))
+    except BaseException as e:
+        for s in streams:
+            s.abort()
+        if isinstance(e, ValueError):
+            raise APIError(str(e), param=guess_param(str(e), "prompt"))
+        if isinstance(e, QueueFullError):
+            raise APIError(str(e), status=503, type="service_unavailable_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+        if isinstance(e, (EngineError, EngineDeadError)):
+            raise APIError(str(e), status=500, type="internal_server_error")
+        raise
+    return streams
+
+
+async def merge(streams):
+    """(stream index, output) from several RequestStreams as they come."""
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()   # raises EngineError
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+def _finished_usage(finals: dict) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals.values())
+    completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+    return protocol.usage(prompt, completion)
+
+
+async def collect(streams, req: protocol.GenerationRequest, request_id: str, model: str, chat: bool) -> dict:
+    finals = {}
+    try:
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                finals[i] = out
+    except (EngineError, EngineDeadError) as e:
+        raise APIError(str(e), status=500, type="internal_server_error")
+    n = req.sampling.get("n", 1)
+    choices = []
+    for i in sorted(finals):
+        for c in finals[i].outputs:
+            ids = c.token_ids if req.return_token_ids else None
+            make = protocol.chat_choice if chat else protocol.completion_choice
+            choices.append(make(i * n + c.index, c.text, c.finish_reason, ids))
+    choices.sort(key=lambda c: c["index"])
+    return protocol.completion_response(request_id, model, choices, _finished_usage(finals), chat)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _sendable(text: str, finished: bool, holdback: int) -> str:
+    """Text safe to stream: while a choice runs, keep back what a stop string may still cut off, and a
+    trailing replacement character (an incomplete UTF-8 sequence)."""
+    if finished:
+        return text
+    text = text[:max(len(text) - holdback, 0)]
+    return text.rstrip("\ufffd")
+
+
+class _ChoiceState:
+    """What has been streamed of each choice so far."""
+
+    def __init__(self, req, request_id, model, chat, created):
+        self.req, self.request_id, self.model, self.chat, self.created = req, request_id, model, chat, created
+        self.holdback = max((len(s) for s in req.sampling.get("stop") or []), default=1) - 1
+        self.sent_chars, self.sent_ids, self.done = {}, {}, set()
+
+    def chunks(self, idx: int, c) -> list[str]:
+        if idx in self.done:
+            return []
+        finished = c.finish_reason is not None
+        text = _sendable(c.text, finished, self.holdback)
+        delta = text[self.sent_chars.get(idx, 0):]
+        self.sent_chars[idx] = max(self.sent_chars.get(idx, 0), len(text))
+        ids = None
+        if self.req.return_token_ids:
+            ids = c.token_ids[self.sent_ids.get(idx, 0):]
+            self.sent_ids[idx] = len(c.token_ids)
+        if finished:
+            self.done.add(idx)
+        if not (delta or finished or ids):
+            return []
+        return [_sse(protocol.stream_chunk(self.request_id, self.model, self.created, self.chat, idx, delta,
+                                           c.finish_reason if finished else None, token_ids=ids))]
+
+
+async def stream_sse(streams, req: protocol.GenerationRequest, request_id: str, model: str, chat: bool):
+    """SSE lines in OpenAI's chunk format, ending with `data: [DONE]`."""
+    created = int(time.time())
+    n = req.sampling.get("n", 1)
+    state = _ChoiceState(req, request_id, model, chat, created)
+    finals = {}
+    if chat:
+        for idx in range(len(streams) * n):
+            yield _sse(protocol.stream_chunk(request_id, model, created, chat, idx, None, role=True))
+    try:
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                for c in out.outputs:
+                    for line in state.chunks(i * n + c.index, c):
+                        yield line
+                if out.finished:
+                    finals[i] = out
+    except (EngineError, EngineDeadError) as e:
+        yield _sse(protocol.error_body(APIError(str(e), status=500, type="internal_server_error")))
+    finally:
+        for s in streams:
+            s.abort()
+    if req.include_usage and len(finals) == len(streams):
+        yield _sse(protocol.usage_chunk(request_id, model, created, chat, _finished_usage(finals)))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,236 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncEngine.
+
+    python -m mtpserve.serve.openai_api --model PATH --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
+
+Endpoints: /v1/completions, /v1/chat/completions (both with "stream"), /v1/models, /health, /metrics.
+Errors come back in OpenAI's format {"error": {"message", "type", "param", "code"}}.
+"""
+import argparse
+import asyncio
+import copy
+import hmac
+import json
+import logging
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mtpserve.serve import generation, protocol
+from mtpserve.serve.metrics import CONTENT_TYPE, ServerMetrics
+from mtpserve.serve.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that stops its body (aborting the engine requests) as soon as the client
+    disconnects, even while no chunk is being sent."""
+
+    async def __call__(self, scope, receive, send):
+        sending = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sending, watching):
+                task.cancel()
+            await asyncio.gather(sending, watching, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if not sending.cancelled() and sending.exception() is not None and \
+                not isinstance(sending.exception(), OSError):
+            logger.error("streaming response failed", exc_info=sending.exception())
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _own_copy(tokenizer):
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:   # a tokenizer that cannot be copied: share it
+        logger.warning("could not copy the tokenizer; sharing the engine's")
+        return tokenizer
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(protocol.error_body(err), status_code=err.status, headers=err.headers)
+
+
+class APIKeyMiddleware:
+    """Plain ASGI middleware: /v1/* needs 'Authorization: Bearer <api_key>' (401 otherwise)."""
+
+    def __init__(self, app, api_key: str, metrics: ServerMetrics):
+        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode(), metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                self.metrics.count_error(401)
+                err = APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
+                               type="authentication_error", code="invalid_api_key")
+                await _error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine, served_model_name, api_key: str | None = None, max_model_len: int | None = None) -> FastAPI:
+    """engine: an AsyncEngine. served_model_name: a name or a list of names (the first one is reported)."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    max_model_len = max_model_len or engine.max_model_len
+    tokenizer = _own_copy(engine.tokenizer)   # the engine thread uses its tokenizer concurrently
+    metrics = ServerMetrics(engine, names[0])
+    engine.on_outputs, engine.on_abort = metrics.on_outputs, metrics.on_abort
+    app = FastAPI(title="mtpserve", docs_url=None, redoc_url=None)
+    app.state.engine, app.state.metrics = engine, metrics
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, err: APIError):
+        metrics.count_error(err.status)
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(str(exc.detail), status=exc.status_code, type=kind))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error")
+        metrics.count_error(500)
+        return _error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+                                        type="internal_server_error"))
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics=metrics)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "mtpserve",
+                 "root": names[0], "max_model_len": max_model_len} for name in names]
+        return {"object": "list", "data": data}
+
+    async def serve(request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body(), parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(f"malformed JSON body: {e}")
+        req = protocol.parse_chat_request(body) if chat else protocol.parse_completion_request(body)
+        if req.model is not None and req.model not in names:
+            raise APIError(f"the model '{req.model}' does not exist; this server serves {names}", status=404,
+                           type="not_found_error", param="model", code="model_not_found")
+        model = req.model or names[0]
+        prompts = generation.prepare_prompts(req, tokenizer, max_model_len, chat)
+        params = [generation.make_params(req, len(ids), max_model_len, chat) for _, ids in prompts]
+        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        streams = await generation.start_requests(engine, request_id, prompts, params)
+
+        if req.stream:   # stream_sse aborts the requests when it is closed early
+            return EngineStreamingResponse(generation.stream_sse(streams, req, request_id, model, chat),
+                                           media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat))
+        watching = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (collecting, watching):
+                task.cancel()
+            await asyncio.gather(collecting, watching, return_exceptions=True)
+            for s in streams:
+                s.abort()
+        if not collecting.done() or collecting.cancelled():
+            return Response(status_code=499)   # the client went away
+        return JSONResponse(collecting.result())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, chat=True)
+
+    return app
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    a = parser.add_argument
+    a("--model", default=None, help="HF checkpoint directory (default: the shipped default model)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000)
+    a("--served-model-name", nargs="+", default=None,
+      help="name(s) clients use in 'model' (default: the --model value, or 'mtpserve-default')")
+    a("--speculative-config", default=None,
+      help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' (default: no speculation)')
+    a("--max-num-seqs", type=int, default=64)
+    a("--max-model-len", type=int, default=None)
+    a("--max-num-batched-tokens", type=int, default=None)
+    a("--num-kv-blocks", type=int, default=None)
+    a("--enforce-eager", action="store_true", help="no graph capture")
+    a("--dtype", default="auto")
+    a("--seed", type=int, default=0)
+    a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
+      help="require 'Authorization: Bearer KEY' on /v1/* (default: $MTPSERVE_API_KEY)")
+    a("--max-queue-len", type=int, default=None, help="waiting requests beyond which new ones get 503")
+    a("--uvicorn-log-level", default="warning")
+    return parser
+
+
+def build_engine(args):
+    from mtpserve.engine.engine import LLMEngine
+    spec = None
+    if args.speculative_config:
+        try:
+            spec = json.loads(args.speculative_config)
+        except ValueError as e:
+            raise SystemExit(f"--speculative-config is not valid JSON: {e}")
+    kwargs = dict(model=args.model, speculative_config=spec, enforce_eager=args.enforce_eager,
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed)
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return LLMEngine.from_kwargs(**kwargs)
+
+
+def run_server(args) -> None:
+    import uvicorn
+
+    from mtpserve.engine.async_engine import AsyncEngine
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    async_engine = AsyncEngine(build_engine(args), max_queue_len=args.max_queue_len)
+    names = args.served_model_name or [args.model or "mtpserve-default"]
+    app = build_app(async_engine, names, args.api_key, async_engine.max_model_len)
+    logger.info("serving %s on http://%s:%d (max_model_len %d)", names, args.host, args.port,
+                async_engine.max_model_len)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        async_engine.shutdown()
+
+
+def main(argv=None) -> None:
+    parser = add_serve_args(argparse.ArgumentParser(prog="mtpserve serve", description=__doc__,
+                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

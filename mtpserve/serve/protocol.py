@@ -1,0 +1,209 @@
+"""OpenAI request parsing and response/chunk building, as plain functions over JSON dicts.
+
+Parsing never trusts the body: each field is type-checked here, and ranges are checked by
+SamplingParams.validate(); any problem raises APIError naming the field (HTTP 400 in OpenAI's error
+format). Unknown fields are ignored, as OpenAI clients send extras.
+"""
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+class APIError(Exception):
+    """An error sent to the client as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers or {}
+
+
+def error_body(err: APIError) -> dict:
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+# Sampling fields (request name -> SamplingParams name) with their JSON types.
+_NUM = (int, float)
+SAMPLING_FIELDS = {
+    "temperature": ("temperature", _NUM), "top_p": ("top_p", _NUM), "top_k": ("top_k", int),
+    "max_tokens": ("max_tokens", int), "n": ("n", int), "seed": ("seed", int),
+    "stop_token_ids": ("stop_token_ids", list), "ignore_eos": ("ignore_eos", bool),
+}
+# Fields we accept only at their neutral value.
+UNSUPPORTED_UNLESS = {
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+}
+
+
+def _check_type(name: str, value, types):
+    if isinstance(value, bool) and types is not bool:
+        raise APIError(f"'{name}' must be a number, got {value!r}", param=name)
+    if not isinstance(value, types):
+        expected = {bool: "a boolean", int: "an integer", list: "a list"}.get(types, "a number")
+        raise APIError(f"'{name}' must be {expected}, got {value!r}", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise APIError(f"'{name}' must be finite, got {value!r}", param=name)
+
+
+@dataclass
+class GenerationRequest:
+    """What a /v1/completions or /v1/chat/completions body asks for, checked."""
+    model: str | None
+    sampling: dict                      # SamplingParams keyword arguments (only the fields given)
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False      # extension (as vLLM's): token ids in each choice
+    prompts: list = field(default_factory=list)   # completions: each a str or a list of token ids
+    messages: list = field(default_factory=list)  # chat: [{"role", "content": str}]
+
+
+def parse_sampling(body: dict, chat: bool) -> dict:
+    out = {}
+    for name, (target, types) in SAMPLING_FIELDS.items():
+        value = body.get(name)
+        if value is not None:
+            _check_type(name, value, types)
+            out[target] = value
+    if "seed" in out and not -2**63 <= out["seed"] < 2**63:
+        raise APIError("'seed' must be in [-2^63, 2^63)", param="seed")
+    if chat and body.get("max_completion_tokens") is not None:
+        _check_type("max_completion_tokens", body["max_completion_tokens"], int)
+        out["max_tokens"] = body["max_completion_tokens"]
+    if "stop_token_ids" in out and not all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in out["stop_token_ids"]):
+        raise APIError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise APIError("'stop' must be a string or a list of strings", param="stop")
+        if any(s == "" for s in stop):
+            raise APIError("'stop' strings must not be empty", param="stop")
+        out["stop"] = stop
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != out.get("n", 1):
+        raise APIError("'best_of' is not supported (only best_of == n)", param="best_of")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        param = "logprobs" if logprobs not in (None, False) else "top_logprobs"
+        raise APIError(f"'{param}' is not supported", param=param)
+    for name, neutral in UNSUPPORTED_UNLESS.items():
+        if name in body and body[name] not in neutral:
+            raise APIError(f"'{name}' is not supported", param=name)
+    return out
+
+
+def _parse_common(body, chat: bool) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError("'model' must be a string", param="model")
+    stream = body.get("stream") or False
+    _check_type("stream", stream, bool)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise APIError("'stream_options' must be an object", param="stream_options")
+    include_usage = bool((opts or {}).get("include_usage", False))
+    if opts is not None and not stream:
+        raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    return GenerationRequest(model=model, sampling=parse_sampling(body, chat), stream=stream,
+                             include_usage=include_usage, return_token_ids=bool(body.get("return_token_ids")))
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def parse_completion_request(body) -> GenerationRequest:
+    req = _parse_common(body, chat=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise APIError("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                       "lists of token ids, and not empty", param="prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise APIError("'prompt' must not be empty", param="prompt")
+    req.prompts = prompts
+    return req
+
+
+def parse_chat_request(body) -> GenerationRequest:
+    req = _parse_common(body, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"'messages[{i}]' must be an object with a string 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):   # [{"type": "text", "text": ...}]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(f"'messages[{i}].content': only text parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise APIError(f"'messages[{i}].content' must be a string or a list of text parts",
+                           param="messages")
+        out.append({"role": m["role"], "content": content})
+    req.messages = out
+    return req
+
+
+# ---- responses ----
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, finish_reason, token_ids=None) -> dict:
+    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = list(token_ids)
+    return c
+
+
+def chat_choice(index: int, text: str, finish_reason, token_ids=None) -> dict:
+    c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+         "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = list(token_ids)
+    return c
+
+
+def completion_response(rid: str, model: str, choices: list, use: dict, chat: bool) -> dict:
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": use}
+
+
+def stream_chunk(rid: str, model: str, created: int, chat: bool, index: int, text: str | None,
+                 finish_reason=None, role: bool = False, token_ids=None) -> dict:
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, created: int, chat: bool, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": use}

@@ -1,0 +1,386 @@
+"""The OpenAI-compatible server, end to end: a real server process (tiny random checkpoint with a tiny BPE
+tokenizer, MTP speculation on) driven by the official `openai` client, checked against the offline engine
+on the same checkpoint; plus the AsyncEngine's queue limit and error isolation on a scripted fake engine."""
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from mtpserve.engine.async_engine import AsyncEngine, EngineError, QueueFullError
+from mtpserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+from mtpserve.sampling_params import SamplingParams
+
+SPEC = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+API_KEY = "sk-test-key"
+MAX_MODEL_LEN = 512
+PROMPTS = ["hello world", "def fib(n):", "The quick brown fox", "this is a tiny test"]
+
+
+def write_checkpoint(path: str) -> str:
+    """A random tiny checkpoint plus a byte-level BPE tokenizer (vocab = the model's) and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mtpserve.model.checkpoint import write_random_checkpoint
+    texts = ["hello world, this is a tiny test tokenizer for the mtpserve server tests."] * 4 + [
+        "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)", "The quick brown fox jumps over the lazy dog."]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=320, min_frequency=1, special_tokens=["<bos>", "<eos>"],   # ids 0, 1 as in the config
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    write_random_checkpoint(path, seed=0, vocab_size=tok.get_vocab_size())
+    tok.save(os.path.join(path, "tokenizer.json"))
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+                   "clean_up_tokenization_spaces": False, "model_max_length": 512, "chat_template": template}, f)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("server_ckpt")))
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w+")
+    cmd = [sys.executable, "-m", "mtpserve.serve.openai_api", "--model", ckpt, "--port", str(port),
+           "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4",
+           "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "96", "--enforce-eager",
+           "--api-key", API_KEY]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not become healthy in 120 s")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    """Greedy token ids from the offline engine (same checkpoint and speculation) for each prompt."""
+    import torch
+
+    from mtpserve.engine.engine import LLMEngine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as the server runs (OMP_NUM_THREADS=1); much faster on a busy machine
+    try:
+        engine = LLMEngine.from_kwargs(model=ckpt, speculative_config=SPEC, max_num_seqs=4,
+                                       max_model_len=MAX_MODEL_LEN, num_kv_blocks=96)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, None, SamplingParams(temperature=0.0, max_tokens=12))
+        finals = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                finals[out.request_id] = out
+    finally:
+        torch.set_num_threads(threads)
+    return [finals[str(i)].outputs[0] for i in range(len(PROMPTS))]
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(url, "mtpserve:kv_cache_usage_perc") > 0 or metric(url, "mtpserve:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "KV cache not freed"
+        time.sleep(0.1)
+
+
+def test_models_health(server, client):
+    assert httpx.get(server + "/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_concurrent_completions_match_offline_engine(client, offline):
+    results = [None] * len(PROMPTS)
+
+    def run(i):
+        results[i] = client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=12, temperature=0,
+                                               extra_body={"return_token_ids": True})
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for res, want in zip(results, offline):
+        choice = res.choices[0]
+        assert choice.token_ids == want.token_ids
+        assert choice.text == want.text and choice.finish_reason == want.finish_reason
+        assert res.usage.completion_tokens == len(want.token_ids)
+        assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
+
+
+def test_streaming_equals_non_streaming(client):
+    kw = dict(model="tiny", prompt="hello world", max_tokens=16, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    # the chat template's rendering, sent as a plain completion, gives the same text
+    plain = client.completions.create(model="tiny", prompt="<|user|>hi there\n<|assistant|>", max_tokens=10,
+                                      temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    assert stream[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_n_and_seed(client):
+    res = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=1.0, n=3, seed=7)
+    assert sorted(c.index for c in res.choices) == [0, 1, 2]
+    again = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=1.0, n=3, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in res.choices]
+    assert 3 <= res.usage.completion_tokens <= 24
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=5, temperature=0, n=2, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert texts[0] == texts[1]   # greedy
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="tiny", prompt="hello world", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    clean = [i for i in range(2, len(full) - 2) if "\ufffd" not in full[i:i + 2]]
+    start = clean[len(clean) // 2]
+    stop = full[start:start + 2]
+    want = full[:full.index(stop)]
+    res = client.completions.create(model="tiny", prompt="hello world", max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert res.choices[0].text == want and res.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny", prompt="hello world", max_tokens=16, temperature=0,
+                                            stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_metrics_move(server, client):
+    client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0)
+    assert metric(server, "mtpserve:spec_decode_num_drafts") > 0
+    assert metric(server, "mtpserve:spec_decode_num_draft_tokens") > 0
+    assert metric(server, "mtpserve:spec_decode_num_accepted_tokens") >= 0
+    text = httpx.get(server + "/metrics").text
+    assert re.search(r'^mtpserve:spec_decode_num_accepted_tokens_per_pos\{.*position="0".*\} ', text, re.M)
+    assert metric(server, "mtpserve:request_success_total", 'finished_reason="length"') > 0
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert metric(server, f"mtpserve:{name}_count") > 0
+    wait_idle(server)
+    assert "mtpserve:num_requests_running{" in text and "mtpserve:num_requests_waiting{" in text
+
+
+def test_disconnect_frees_kv(server, client):
+    aborted = metric(server, "mtpserve:request_success_total", 'finished_reason="abort"')
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=headers, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+        assert len(got) >= 2
+        assert metric(server, "mtpserve:kv_cache_usage_perc") > 0
+    wait_idle(server)
+    assert metric(server, "mtpserve:request_success_total", 'finished_reason="abort"') == aborted + 1
+    # a non-streaming client that gives up
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/completions", json=dict(body, stream=False), headers=headers, timeout=0.3)
+    wait_idle(server)
+    assert metric(server, "mtpserve:request_success_total", 'finished_reason="abort"') == aborted + 2
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+def check_error(exc_info, status: int, param=None):
+    err = exc_info.value
+    assert err.status_code == status
+    body = err.response.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    if param is not None:
+        assert body["param"] == param, body
+
+
+def test_bad_inputs(server, client):
+    r = httpx.post(server + "/v1/completions", content=b'{"prompt": "x",', timeout=10,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    for raw, param in ((b'{"prompt": "x", "temperature": NaN}', None), (b'{"prompt": "x", "temperature": 1e999}',
+                                                                         "temperature")):
+        r = httpx.post(server + "/v1/completions", content=raw, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    check_error(e, 404, "model")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", temperature=-1)
+    check_error(e, 400, "temperature")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_p=2)
+    check_error(e, 400, "top_p")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hello world " * 400, max_tokens=2)
+    check_error(e, 400, "prompt")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello " * 800}])
+    check_error(e, 400, "messages")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=MAX_MODEL_LEN)
+    check_error(e, 400, "max_tokens")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[[5, 6, 100000]], max_tokens=2)
+    check_error(e, 400, "prompt")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", logprobs=2)
+    check_error(e, 400, "logprobs")
+    bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model="tiny", prompt="x", max_tokens=2)
+    check_error(e, 401)
+    r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)   # no key
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server + "/health").status_code == 200   # no key needed outside /v1
+    res = client.completions.create(model="tiny", prompt="still serving", max_tokens=3, temperature=0)
+    assert res.usage.completion_tokens >= 1
+    wait_idle(server)
+
+
+# ---- AsyncEngine on a scripted engine: queue limit, 503, engine errors ----
+
+class FakeEngine:
+    """Emits token 7 per step per request; a request whose prompt is [666] makes step() raise once."""
+    tokenizer = None
+    max_model_len = 64
+
+    def __init__(self):
+        self.reqs, self.waiting, self.steps = {}, [], 0
+
+    def add_request(self, rid, prompt, ids, params):
+        if params.max_tokens > 50:
+            raise ValueError(f"max_tokens = {params.max_tokens}: too many")
+        self.reqs[rid] = (list(ids), params, [])
+
+    def abort_request(self, rid):
+        self.reqs.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def step(self):
+        self.steps += 1
+        time.sleep(0.002)
+        if any(ids == [666] for ids, _, _ in self.reqs.values()):
+            self.reqs = {k: v for k, v in self.reqs.items() if v[0] != [666]}
+            raise RuntimeError("boom")
+        outs = []
+        for rid, (ids, params, toks) in list(self.reqs.items()):
+            toks.append(7)
+            done = len(toks) >= params.max_tokens
+            outs.append(RequestOutput(rid, None, ids, [CompletionOutput(0, "", list(toks), "length" if done else None)],
+                                      done, RequestMetrics(time.monotonic())))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def get_stats(self):
+        return dict(num_running=min(len(self.reqs), 1), num_waiting=max(len(self.reqs) - 1, 0), kv_usage=0.0,
+                    num_free_blocks=1, num_total_blocks=1)
+
+    def get_metrics(self):
+        return {}
+
+
+def test_async_engine_queue_limit_and_errors():
+    async def main():
+        ae = AsyncEngine(FakeEngine(), max_queue_len=1)
+        try:
+            long = SamplingParams(max_tokens=40)
+            s1 = await ae.add_request("a", None, [1], long)
+            await s1.__anext__()   # a is running
+            s2 = await ae.add_request("b", None, [1], long)   # waits behind a
+            with pytest.raises(QueueFullError):
+                await ae.add_request("c", None, [1], long)
+            s2.abort()
+            outs = [o async for o in s1]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 40
+            with pytest.raises(ValueError, match="max_tokens"):
+                await ae.add_request("d", None, [1], SamplingParams(max_tokens=60))
+            # a step error fails the requests in the engine; the loop keeps serving
+            bad = await ae.add_request("e", None, [666], long)
+            with pytest.raises(EngineError):
+                async for _ in bad:
+                    pass
+            outs = [o async for o in ae.generate(None, [1], SamplingParams(max_tokens=3), "f")]
+            assert outs[-1].finished and ae.num_step_errors == 1
+        finally:
+            ae.shutdown()
+    asyncio.run(main())
+
+
+def test_queue_full_is_503():
+    from mtpserve.serve.openai_api import build_app
+
+    async def main():
+        ae = AsyncEngine(FakeEngine(), max_queue_len=0)
+        app = build_app(ae, "fake", None, 64)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+                assert r.status_code == 503 and r.headers["retry-after"]
+                assert r.json()["error"]["code"] == "queue_full"
+        finally:
+            ae.shutdown()
+    asyncio.run(main())

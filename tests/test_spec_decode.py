@@ -1,0 +1,151 @@
+"""MTP speculative decoding is lossless: greedy output identical to no speculation, sampled output drawn
+from the target model's own distribution; KV blocks never leak; metrics add up."""
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from mtpserve import LLM, SamplingParams
+from mtpserve.model.loader import load_model
+from tiny_models import pattern_batch, random_checkpoint, trained_checkpoint
+
+
+@pytest.fixture(scope="module")
+def trained1(tmp_path_factory):
+    return trained_checkpoint(tmp_path_factory.mktemp("mtp1"), num_mtp_layers=1)
+
+
+@pytest.fixture(scope="module")
+def trained3(tmp_path_factory):
+    return trained_checkpoint(tmp_path_factory.mktemp("mtp3"), num_mtp_layers=3)
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(tmp_path_factory):
+    return random_checkpoint(tmp_path_factory.mktemp("rand"), num_nextn_predict_layers=1)
+
+
+def prompts_for(vocab_pattern=True):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [p[:n] for p, n in zip(pattern_batch(gen, 6, 30).tolist(), [3, 9, 30, 5, 17, 2])]
+    return prompts
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def run(path, spec, prompts, params=GREEDY, **kw):
+    llm = LLM(path, speculative_config=spec, **kw)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    return [o.outputs[0].token_ids for o in outs], llm.get_metrics()
+
+
+def check_metrics(m, k):
+    assert 0 <= m["num_accepted_tokens"] <= m["num_draft_tokens"] == k * m["num_drafts"]
+    per_pos = m["accepted_per_position"]
+    assert len(per_pos) == k and sum(per_pos) == m["num_accepted_tokens"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("scorer, verification", [("mqa", "token"), ("batch_expansion", "token"), ("mqa", "block")])
+def test_greedy_identical_to_no_speculation(trained1, k, scorer, verification):
+    prompts = prompts_for()
+    base, _ = run(trained1, None, prompts)
+    spec = {"method": "mtp", "num_speculative_tokens": k, "scorer": scorer, "verification": verification}
+    out, m = run(trained1, spec, prompts)
+    assert out == base
+    check_metrics(m, k)
+    assert m["acceptance_rate"] > 0.3   # the trained MTP really drafts: accepted paths are exercised
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_chunked_prefill_and_preemption(trained1, k):
+    prompts = prompts_for()
+    base, _ = run(trained1, None, prompts)
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": k}
+    out, m = run(trained1, spec, prompts, max_num_batched_tokens=8, num_kv_blocks=18, block_size=4)
+    assert out == base
+    check_metrics(m, k)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_three_mtp_layers(trained3, k):
+    prompts = prompts_for()
+    base, _ = run(trained3, None, prompts)
+    out, m = run(trained3, {"method": "mtp", "num_speculative_tokens": k}, prompts, max_num_batched_tokens=16)
+    assert out == base
+    check_metrics(m, k)
+    assert m["acceptance_rate"] > 0.3
+
+
+def test_random_model_and_moe(random_ckpt):
+    prompts = [[5, 6, 7], list(range(10, 40)), [9]]
+    base, _ = run(random_ckpt, None, prompts)
+    for spec in [{"num_speculative_tokens": 2}, {"num_speculative_tokens": 3, "verification": "block",
+                                                  "scorer": "batch_expansion", "draft_sampling": "greedy"}]:
+        out, m = run(random_ckpt, spec, prompts, max_num_batched_tokens=8)
+        assert out == base
+
+
+def test_stops_apply_mid_block(trained1):
+    prompts = prompts_for()
+    base, _ = run(trained1, None, prompts)
+    stop = base[0][5]
+    p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop])
+    out, _ = run(trained1, {"num_speculative_tokens": 4}, prompts[:1], p)
+    assert out[0] == base[0][:base[0].index(stop) + 1]
+    for n in [1, 2, 3, 7]:
+        p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        out, _ = run(trained1, {"num_speculative_tokens": 4}, prompts, p)
+        assert out == [b[:n] for b in base]
+
+
+def exact_joint(path, prompt, params, n_tokens):
+    """P(first n_tokens generated tokens) of the target model with the request's sampling transform."""
+    from mtpserve.sampling.sampler import logits_to_probs
+    model = load_model(path)
+    vocab = model.config.vocab_size
+    joint = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=n_tokens):
+            ids = torch.tensor([prompt + list(seq[:-1])])
+            logits = model.compute_logits(model.forward_dense(ids))[0, len(prompt) - 1:]
+            probs = logits_to_probs(logits, torch.full((len(seq),), params.temperature),
+                                    torch.full((len(seq),), params.top_k), torch.full((len(seq),), params.top_p))
+            joint[seq] = float(torch.prod(probs[torch.arange(len(seq)), torch.tensor(seq)]))
+    return joint
+
+
+@pytest.mark.parametrize("spec", [
+    {"num_speculative_tokens": 2},
+    {"num_speculative_tokens": 2, "verification": "block"},
+    {"num_speculative_tokens": 1, "draft_sampling": "greedy"},
+    {"num_speculative_tokens": 2, "draft_sampling": "greedy", "verification": "block"},
+], ids=["token-prob", "block-prob", "token-greedydraft", "block-greedydraft"])
+def test_sampling_is_lossless(tmp_path_factory, spec):
+    """Chi-square of the first two generated tokens over many seeded requests against the exact joint
+    distribution computed from the model itself (vocab 6, so 36 cells)."""
+    path = random_checkpoint(tmp_path_factory.mktemp("v6"), vocab_size=6, eos_token_id=None, bos_token_id=None)
+    prompt = [1, 4, 2]
+    params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=2, ignore_eos=True)
+    joint = exact_joint(path, prompt, params, 2)
+    num = 3000
+    llm = LLM(path, speculative_config=spec, max_num_seqs=512, max_num_batched_tokens=4096, seed=11)
+    outs = llm.generate(prompt_token_ids=[prompt] * num, sampling_params=params, use_tqdm=False)
+    counts = {seq: 0 for seq in joint}
+    for o in outs:
+        counts[tuple(o.outputs[0].token_ids)] += 1
+    cells = [seq for seq in joint if joint[seq] * num >= 5]
+    observed = [counts[s] for s in cells] + [num - sum(counts[s] for s in cells)]
+    expected = [joint[s] * num for s in cells] + [num * (1 - sum(joint[s] for s in cells))]
+    if expected[-1] < 1e-9:
+        observed, expected = observed[:-1], expected[:-1]
+    assert chisquare(observed, expected).pvalue > 1e-3
+    m = llm.get_metrics()
+    check_metrics(m, spec["num_speculative_tokens"])
+    assert 0.05 < m["acceptance_rate"] < 1.0    # both accept and reject paths were taken

@@ -1,0 +1,165 @@
+"""Training pipeline: corpus split, tokenizer round trip, MTP loss slicing, a few real training steps."""
+import csv
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtpserve.train import data, loss, train
+from mtpserve.train import tokenizer as tok_mod
+
+SMALL_STDLIB_FILES = ["bisect.py", "colorsys.py", "keyword.py", "this.py", "glob.py", "fnmatch.py",
+                      "textwrap.py", "heapq.py"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A few small stdlib files, plus decoys that the corpus must skip."""
+    root = tmp_path_factory.mktemp("corpus")
+    src = data.stdlib_root()
+    for name in SMALL_STDLIB_FILES:
+        shutil.copy(src / name, root / name)
+    for skipped in ("site-packages", "test", "pkg/tests", "__pycache__"):
+        (root / skipped).mkdir(parents=True, exist_ok=True)
+        (root / skipped / "skip_me.py").write_text("x = 1\n")
+    (root / "pkg" / "mod.py").write_text("def f(x):\n\treturn x  # tab, trailing spaces   \r\n")
+    (root / "notes.txt").write_text("not python")
+    return root
+
+
+def test_corpus_files_and_split(corpus):
+    files = data.list_files(corpus)
+    assert files == sorted(SMALL_STDLIB_FILES + ["pkg/mod.py"])
+    train_files, held = data.split_files(files)
+    assert sorted(train_files + held) == files and not set(train_files) & set(held)
+    assert data.split_files(list(reversed(files))) == (list(reversed(train_files)), list(reversed(held)))
+    real = data.list_files()   # the real corpus: ~2% held out, no test suites or site-packages
+    _, real_held = data.split_files(real)
+    assert 0.005 < len(real_held) / len(real) < 0.05
+    assert not any(p.startswith(("test/", "site-packages/")) or "/tests/" in p for p in real)
+
+
+def test_tokenizer_round_trip_and_autotokenizer(corpus, tmp_path):
+    from transformers import AutoTokenizer
+    texts = list(data.iter_texts(corpus, data.list_files(corpus)))
+    tok = tok_mod.train_tokenizer(texts, vocab_size=400)
+    assert tok.token_to_id("<|endoftext|>") == 0 and tok.token_to_id("<|bos|>") == 1
+    tok_mod.save_tokenizer(tok, tmp_path, model_max_length=1024)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (hf.bos_token_id, hf.eos_token_id, hf.model_max_length) == (1, 0, 1024)
+    samples = texts + ["", "x", "  \t\n\r\n", 'print("héllo wörld 🙂 \\u00e9")\n', "\x00\x7f ~`"]
+    for text in samples:
+        ids = hf(text)["input_ids"]
+        assert ids[0] == 1                                  # <|bos|> first, like DeepSeek's tokenizer
+        assert hf.decode(ids, skip_special_tokens=True) == text
+        assert hf.decode(hf.encode(text, add_special_tokens=False)) == text
+        assert tok.encode(text, add_special_tokens=False).ids == ids[1:]
+
+
+class ShiftModel(torch.nn.Module):
+    """A fake model whose hidden state is the token id: the main head predicts id + 1; MTP module i
+    records its inputs, and its head predicts (its input token) + 1. On ids = 0, 1, 2, ... every head
+    is right iff the objective slices inputs and targets as DeepSeek-V3's MTP does."""
+    vocab = 64
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.calls = []
+
+    def _onehot_next(self, h):
+        return 50.0 * F.one_hot(h.squeeze(-1).long() + 1, self.vocab).float() + self.w
+
+    def forward_dense(self, ids):
+        return ids.float().unsqueeze(-1)
+
+    def compute_logits(self, h):
+        return self._onehot_next(h)
+
+    def mtp_forward_dense(self, i, ids, prev):
+        self.calls.append((i, ids.clone(), prev.squeeze(-1).long().clone()))
+        return ids.float().unsqueeze(-1)
+
+    def mtp_logits(self, i, g):
+        return self._onehot_next(g)
+
+
+def test_mtp_objective_slicing():
+    model = ShiftModel()
+    T, D = 10, 3
+    ids = torch.arange(T + D + 1).repeat(2, 1)
+    out = loss.evaluate(model, [ids[0], ids[1]], D)
+    assert out["main_acc"] == 1.0 and out["main_loss"] < 1e-6
+    for k in range(1, D + 1):
+        assert out[f"mtp{k}_acc"] == 1.0 and out[f"mtp{k}_loss"] < 1e-6
+    L = T + D
+    for i, in_ids, prev in model.calls:
+        k = i + 1
+        assert in_ids.shape[1] == L - k >= T
+        assert torch.equal(in_ids[0], torch.arange(k, L))            # embedding of t[p + k]
+        assert torch.equal(prev[0], torch.arange(k - 1, L - 1))      # previous depth's state at p
+    o = loss.mtp_objective(model, ids, D, mtp_lambda=0.3)
+    assert o.loss.requires_grad and len(o.mtp_losses) == D
+
+
+def _losses(run_dir):
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    keys = ["main_loss", "mtp1_loss", "mtp2_loss"]
+    return {k: [float(r[k]) for r in rows] for k in keys}, rows
+
+
+def test_training_lowers_main_and_mtp_losses_and_exports(corpus, tmp_path):
+    from transformers import AutoTokenizer
+
+    from mtpserve.model.loader import load_model
+    out, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    common = ["--corpus-root", str(corpus), "--vocab-size", "320", "--hidden-size", "48", "--heads", "2",
+              "--layers", "2", "--intermediate-size", "96", "--moe-intermediate-size", "32", "--experts", "4",
+              "--first-dense", "1", "--kv-lora-rank", "16", "--qk-nope-head-dim", "16",
+              "--qk-rope-head-dim", "8", "--v-head-dim", "16", "--mtp-depth", "2", "--seq-len", "32",
+              "--batch-size", "8", "--warmup", "5", "--log-every", "1", "--eval-every", "20",
+              "--eval-windows", "4", "--threads", "1", "--max-position-embeddings", "128"]
+    result = train.main(common + ["--out", str(out), "--run-dir", str(run_dir), "--steps", "40",
+                                  "--lr", "1e-2", "--seed", "1"])
+    losses, rows = _losses(run_dir)
+    for key, values in losses.items():
+        assert sum(values[-5:]) / 5 < sum(values[:5]) / 5 - 0.5, (key, values)
+    assert rows[-1]["eval_main_loss"] and (run_dir / "curve.png").stat().st_size > 0
+    assert result["steps"] == 40 and set(result["final_eval"]) >= {"main_acc", "mtp1_acc", "mtp2_acc"}
+
+    model = load_model(str(out))
+    assert model.num_mtp_layers == 2 and model.config.vocab_size == 320
+    hf_tok = AutoTokenizer.from_pretrained(str(out))
+    assert hf_tok.eos_token_id == model.config.eos_token_id == 0
+    assert hf_tok.bos_token_id == model.config.bos_token_id == 1
+
+    # --freeze-main: only the MTP modules move.
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out2, run2 = tmp_path / "ckpt2", tmp_path / "run2"
+    train.main(common + ["--out", str(out2), "--run-dir", str(run2), "--steps", "5", "--lr", "1e-2",
+                         "--init", str(out), "--freeze-main"])
+    after = load_model(str(out2)).state_dict()
+    for name, t in after.items():
+        shared = name.endswith(("embed_tokens.weight", "shared_head.head.weight"))
+        if name.startswith("mtp_layers.") and not shared:
+            continue
+        assert torch.equal(t, before[name]), name
+    mtp_moved = [n for n in after if n.startswith("mtp_layers.") and "eh_proj" in n
+                 and not torch.equal(after[n], before[n])]
+    assert len(mtp_moved) == 2
+
+
+def test_greedy_acceptance_prediction():
+    from mtpserve.train.evaluate import greedy_acceptance, greedy_continue
+
+    class WrongDepth2(ShiftModel):
+        def mtp_logits(self, i, g):
+            return self._onehot_next(g + i)   # depth 2 predicts t + 2: always rejected
+
+    for model, expect in ((ShiftModel(), [True, True]), (WrongDepth2(), [True, False])):
+        seq = greedy_continue(model, [3, 4, 5], 12)
+        assert seq == list(range(3, 18))
+        rows = greedy_acceptance(model, seq, 3, 2)
+        assert len(rows) == len(seq) - 3 - 2 and all(r == expect for r in rows)
