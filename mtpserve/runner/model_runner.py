@@ -67,7 +67,8 @@ class ModelRunner:
             return
         reqs = [scheduled[i].req for i in idx]
         probs = self._target_probs(reqs, hidden[[offsets[i + 1] - 1 for i in idx]], None)
-        noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device)
+        noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device,
+                     [r.params.greedy for r in reqs])
         for i, token in zip(idx, sample(probs, noise).tolist()):
             results[i].new_token_ids = [token]
 
@@ -80,8 +81,9 @@ class ModelRunner:
         target = self._target_probs(reqs, hidden[rows], [k + 1] * len(idx)).view(len(idx), k + 1, -1)
         drafts = torch.tensor([scheduled[i].draft_token_ids for i in idx], device=self.device)
         gens = [r.generator for r in reqs]
-        uniforms = draw(gens, (k,), "uniform", self.generator, self.device)
-        noise = draw(gens, (k + 1, target.shape[-1]), "exponential", self.generator, self.device)
+        greedy = [r.params.greedy for r in reqs]
+        uniforms = draw(gens, (k,), "uniform", self.generator, self.device, greedy)
+        noise = draw(gens, (k + 1, target.shape[-1]), "exponential", self.generator, self.device, greedy)
         if self.spec.synthetic_acceptance is not None:
             tokens, accepted = self._synthetic(drafts, target, uniforms, noise)
         else:

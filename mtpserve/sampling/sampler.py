@@ -12,6 +12,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     """logits [M, V]; per-row temperature (0 = greedy), top_k (<= 0 = off), top_p -> probs [M, V] (fp32)."""
     logits = logits.float()
     greedy = temperature == 0
+    if bool(greedy.all()):
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
     if bool(((top_k > 0) | (top_p < 1)).any()):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
@@ -31,13 +33,17 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return probs
 
 
-def draw(generators: list, shape: tuple, kind: str, default: torch.Generator, device) -> torch.Tensor:
+def draw(generators: list, shape: tuple, kind: str, default: torch.Generator, device,
+         greedy: list[bool] | None = None) -> torch.Tensor:
     """[len(generators), *shape] draws ("uniform" in [0,1) or "exponential" Exp(1)); row i from generators[i]
-    when it is a seeded request's generator, else from the engine's default generator."""
-    out = torch.empty(len(generators), *shape, device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    for i, g in enumerate(generators):
-        if g is not None:
+    when it is a seeded request's generator, else from the engine's default generator. Greedy rows need no
+    randomness (their distributions are one-hot) and get 0 (uniform) or 1 (exponential), drawing nothing:
+    U = 0 accepts a draft exactly when it is the target's argmax."""
+    out = torch.full((len(generators), *shape), 0.0 if kind == "uniform" else 1.0, device=device)
+    greedy = greedy or [False] * len(generators)
+    unseeded = [i for i, (g, gr) in enumerate(zip(generators, greedy)) if g is None and not gr]
+    for i, (g, gr) in enumerate(zip(generators, greedy)):
+        if g is not None and not gr:
             _fill(out[i], kind, g)
     if unseeded:
         block = torch.empty(len(unseeded), *shape, device=device)

@@ -61,5 +61,6 @@ class MTPProposer:
         if self.spec.draft_sampling == "greedy":
             return logits.argmax(-1), None
         probs = logits_to_probs(logits, *sampling_tensors(reqs, None, self.device))
-        noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device)
+        noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device,
+                     [r.params.greedy for r in reqs])
         return sample(probs, noise), probs
