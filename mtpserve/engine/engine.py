@@ -60,7 +60,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.num_lookahead_slots)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, spec, self.device, self.dtype, cfg.seed)
+        self.use_graphs = not cfg.enforce_eager
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, spec, self.device, self.dtype, cfg.seed,
+                                  cfg.graph_batch_sizes if self.use_graphs else None, self.max_model_len)
+        self.graph_warmup_seconds = self.runner.warm_up_graphs()
         self.spec_metrics = SpecDecodeMetrics(k) if spec else None
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -6,6 +6,7 @@ import torch
 from mtpserve.config import SpeculativeConfig
 from mtpserve.engine.scheduler import ScheduledRequest
 from mtpserve.runner.batch import Row, build_batch
+from mtpserve.runner.graphs import GraphRunner
 from mtpserve.sampling.sampler import draw, logits_to_probs, sample, sampling_tensors
 from mtpserve.spec.proposer import MTPProposer
 from mtpserve.spec.verify import verify_tokens
@@ -22,7 +23,8 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
-                 device, kv_dtype: torch.dtype, seed: int = 0):
+                 device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
+                 max_model_len: int = 0):
         cfg = model.config
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
         num_mtp_caches = max(1, min(cfg.num_nextn_predict_layers, spec.num_speculative_tokens)) if spec else 0
@@ -30,10 +32,42 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(num_blocks + 1, block_size, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
                           for _ in range(cfg.num_hidden_layers + num_mtp_caches)]
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.main_caches = self.kv_caches[:cfg.num_hidden_layers]
+        self.mtp_caches = self.kv_caches[cfg.num_hidden_layers:]
+        self.graphs = None
+        if graph_batch_sizes:
+            # rows may reach max_model_len plus the draft passes' lookahead
+            span = max_model_len + 2 * (spec.num_speculative_tokens if spec else 0)
+            self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
+                                      span, device)
         self.proposer = None
         if spec is not None:
-            self.proposer = MTPProposer(model, spec, self.kv_caches[cfg.num_hidden_layers:], block_size,
-                                        device, self.generator)
+            self.proposer = MTPProposer(model, spec, self.forward, self.generator, device)
+            self.proposer.static_shapes = self.graphs is not None
+
+    def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs the main model ("main") or MTP layer j ("mtp{j}") on rows: a graph when the rows are uniform
+        and fit one, else eagerly."""
+        if self.graphs is not None and self.graphs.fits(rows):
+            return self.graphs.run(what, rows, prev_hidden)
+        input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
+        if what == "main":
+            return self.model(input_ids, positions, meta, self.main_caches)
+        layer = int(what.removeprefix("mtp"))
+        return self.model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, self.mtp_caches[layer])
+
+    def warm_up_graphs(self) -> float:
+        """Compiles/captures every graph now (start-up); returns the seconds it took."""
+        if self.graphs is None:
+            return 0.0
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        shapes = [("main", 1 + k)]
+        if k:
+            shapes.append(("mtp0", 1 + k))
+            shapes += [(f"mtp{layer}", 1) for layer in sorted({j if j < self.model.num_mtp_layers else 0
+                                                               for j in range(1, k)})]
+        self.graphs.warm_up(shapes)
+        return self.graphs.compile_seconds
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
@@ -44,8 +78,7 @@ class ModelRunner:
                 rows += [Row([t], s.start + j, s.req.block_ids) for j, t in enumerate(tokens)]
             else:
                 rows.append(Row(tokens, s.start, s.req.block_ids))
-        input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches[:self.model.config.num_hidden_layers])
+        hidden = self.forward("main", rows)
         offsets = [0]
         for s in scheduled:
             offsets.append(offsets[-1] + s.num_query_tokens)

@@ -10,42 +10,49 @@ are never read before being overwritten.
 """
 import torch
 
-from mtpserve.runner.batch import Row, build_batch
+from mtpserve.runner.batch import Row
 from mtpserve.sampling.sampler import draw, logits_to_probs, sample, sampling_tensors
 
 
 class MTPProposer:
-    def __init__(self, model, spec, mtp_caches, block_size, device, generator):
-        self.model, self.spec, self.caches = model, spec, mtp_caches
-        self.block_size, self.device, self.generator = block_size, device, generator
+    def __init__(self, model, spec, forward, generator, device):
+        """forward(what, rows, prev_hidden) runs "mtp{layer}" on rows (graph or eager) -> hidden per token."""
+        self.model, self.spec, self.forward, self.generator, self.device = model, spec, forward, generator, device
+        self.static_shapes = False   # graph mode: the first pass always covers 1+k tokens per request
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
-        rows, hidden_idx, drafting = [], [], []
+        k = self.spec.num_speculative_tokens
+        static = self.static_shapes and all(
+            s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled)
+        rows, hidden_idx, last, drafting = [], [], [], []
         for i, s in enumerate(scheduled):
             accepted = len(results[i].new_token_ids) - 1 if s.samples else 0
             valid = s.num_new_tokens + accepted
             tokens = s.req.all_token_ids + results[i].new_token_ids
-            rows.append(Row(tokens[s.start + 1:s.start + valid + 1], s.start, s.req.block_ids))
-            hidden_idx.extend(range(offsets[i], offsets[i] + valid))
+            row_tokens = tokens[s.start + 1:s.start + valid + 1]
+            if static:   # the seed's static shapes: compute 1+k tokens, read the hidden state at the accepted index
+                row_tokens = row_tokens + [row_tokens[-1]] * (1 + k - valid)
+            rows.append(Row(row_tokens, s.start, s.req.block_ids))
+            hidden_idx.extend(range(offsets[i], offsets[i] + len(row_tokens)))
+            last.append(len(hidden_idx) - len(row_tokens) + valid - 1)
             if s.samples:
                 drafting.append(i)
-        input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
-        out = self.model.mtp_forward(0, input_ids, positions, hidden[hidden_idx], meta, self.caches[0])
+        out = self.forward("mtp0", rows, hidden[hidden_idx])
         if not drafting:
             return
-        last = meta.query_start_loc[1:] - 1
-        prev_hidden = out[last[drafting]]
+        prev_hidden = out[[last[i] for i in drafting]]
         reqs = [scheduled[i].req for i in drafting]
         token, probs = self._draft(0, prev_hidden, reqs)
         drafts, draft_probs = [token], [probs]
-        next_pos = [rows[i].start + len(rows[i].token_ids) for i in drafting]
-        for j in range(1, self.spec.num_speculative_tokens):
-            layer = j if j < len(self.caches) else 0
+        next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
+                    for i in drafting]
+        num_layers = self.model.num_mtp_layers
+        for j in range(1, k):
+            layer = j if j < num_layers else 0
             step_rows = [Row([t], p, scheduled[i].req.block_ids)
                          for i, t, p in zip(drafting, drafts[-1].tolist(), next_pos)]
-            input_ids, positions, meta = build_batch(step_rows, self.block_size, self.device)
-            prev_hidden = self.model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, self.caches[layer])
+            prev_hidden = self.forward(f"mtp{layer}", step_rows, prev_hidden)
             token, probs = self._draft(layer, prev_hidden, reqs)
             drafts.append(token)
             draft_probs.append(probs)

@@ -1,0 +1,111 @@
+"""Graph mode: uniform decode/verify steps run as compiled graphs of fixed shapes.
+
+A step is uniform when every row has the same number of query tokens (1 without speculation, 1+k with it).
+Its batch is padded to the next of `graph_batch_sizes`; padding rows have KV length 0 and slot -1, so they
+never read or write real KV, and their outputs are dropped. Every graph attends over a block table as wide
+as max_model_len, so one graph per (what, batch size, query length) covers every step. Inputs are copied into
+static buffers. On CUDA the compiled step is captured as a CUDA graph (torch.compile "reduce-overhead"); on
+the CPU it is an inductor-compiled kernel. Anything else (prefill chunks, batches above the largest size)
+runs eagerly in the same loop.
+"""
+import time
+
+import torch
+import torch._dynamo
+
+from mtpserve.model.attention import AttentionMetadata
+from mtpserve.runner.batch import Row
+
+
+class GraphRunner:
+    def __init__(self, model, main_caches, mtp_caches, batch_sizes: list[int], block_size: int,
+                 max_model_len: int, device):
+        self.model, self.main_caches, self.mtp_caches = model, main_caches, mtp_caches
+        self.batch_sizes = sorted(batch_sizes)
+        self.block_size, self.device = block_size, device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.graphs: dict[tuple, tuple] = {}    # (what, batch, query_len) -> (compiled fn, static buffers)
+        self.compile_seconds = 0.0
+        mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+        # every (what, batch, query length) graph is one more compiled version of the same step function
+        limit = 4 * len(self.batch_sizes) * 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
+        self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True)
+
+    def padded_size(self, num_rows: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= num_rows), None)
+
+    def fits(self, rows: list[Row]) -> bool:
+        q = len(rows[0].token_ids)
+        return (self.padded_size(len(rows)) is not None and all(len(r.token_ids) == q for r in rows)
+                and all(len(r.block_ids) <= self.max_blocks for r in rows))
+
+    def run(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """what: "main" or "mtp{layer}". Returns hidden states for the real rows' tokens, in order."""
+        n, q = len(rows), len(rows[0].token_ids)
+        batch = self.padded_size(n)
+        fn, buf = self._graph(what, batch, q)
+        positions = torch.arange(q) + torch.tensor([r.start for r in rows]).unsqueeze(1)
+        tables = torch.zeros(n, self.max_blocks, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tables[i, :len(r.block_ids)] = torch.tensor(r.block_ids)
+        slots = tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
+        self._fill(buf, n, q, torch.tensor([r.token_ids for r in rows]).flatten(), positions.flatten(),
+                   torch.tensor([r.start + q for r in rows]), slots.flatten(), tables, prev_hidden)
+        return fn(*buf)[:n * q]
+
+    def _fill(self, buf, n, q, input_ids, positions, seq_lens, slots, tables, prev_hidden):
+        ids_b, pos_b, seq_b, slot_b, table_b, hid_b = buf
+        ids_b.zero_()
+        pos_b.zero_()
+        seq_b.zero_()          # padding rows: KV length 0 ...
+        slot_b.fill_(-1)       # ... and their writes land in the null block
+        ids_b[:n * q].copy_(input_ids)
+        pos_b[:n * q].copy_(positions)
+        seq_b[:n].copy_(seq_lens)
+        slot_b[:n * q].copy_(slots)
+        table_b[:n].copy_(tables)
+        table_b[n:].zero_()
+        if hid_b is not None:
+            hid_b[:n * q].copy_(prev_hidden)
+
+    def _graph(self, what: str, batch: int, q: int):
+        key = (what, batch, q)
+        if key not in self.graphs:
+            self.graphs[key] = self._build(what, batch, q)
+        return self.graphs[key]
+
+    def _build(self, what, batch, q):
+        dev, cfg = self.device, self.model.config
+        buf = [torch.zeros(batch * q, dtype=torch.long, device=dev), torch.zeros(batch * q, dtype=torch.long, device=dev),
+               torch.zeros(batch, dtype=torch.long, device=dev), torch.full((batch * q,), -1, dtype=torch.long, device=dev),
+               torch.zeros(batch, self.max_blocks, dtype=torch.long, device=dev),
+               None if what == "main" else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev)]
+        query_start_loc = torch.arange(batch + 1, device=dev) * q
+        max_seq_len = self.max_blocks * self.block_size
+        model, main_caches, mtp_caches = self.model, self.main_caches, self.mtp_caches
+        layer = None if what == "main" else int(what.removeprefix("mtp"))
+
+        def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden):
+            meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
+            if layer is None:
+                return model(input_ids, positions, meta, main_caches)
+            return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer])
+
+        fn = self._compile(step)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            fn(*buf)          # compile (and capture) now, with padding rows only: no real KV is touched
+            fn(*buf)
+        self.compile_seconds += time.perf_counter() - start
+        return fn, buf
+
+    def _dtype(self):
+        return next(self.model.parameters()).dtype
+
+    def warm_up(self, shapes: list[tuple[str, int]]) -> None:
+        """Builds the graph of every (what, query length) in `shapes` for every batch size."""
+        for b in self.batch_sizes:
+            for what, q in shapes:
+                self._graph(what, b, q)
