@@ -19,7 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="never use graphs (default: graphs on CUDA, eager on CPU)")
     p.add_argument("--seed", type=int, default=0)
 
 

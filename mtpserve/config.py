@@ -175,7 +175,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None          # None -> sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.2     # of free memory (CUDA) / of total RAM (CPU), capped by need
-    enforce_eager: bool = False               # graph mode is not implemented yet: every step runs eagerly
+    enforce_eager: bool | None = None         # None: graphs on CUDA, eager on CPU (where graphs measured no faster)
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     speculative: SpeculativeConfig | None = None
     seed: int = 0

@@ -10,7 +10,7 @@ from mtpserve.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, speculative_config: dict | None = None,
-                 enforce_eager: bool = False, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 enforce_eager: bool | None = None, max_num_seqs: int = 64, max_model_len: int | None = None,
                  dtype: str = "auto", seed: int = 0, **engine_kwargs):
         self.engine = LLMEngine.from_kwargs(model=model, speculative_config=speculative_config,
                                             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,

@@ -60,7 +60,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.num_lookahead_slots)
-        self.use_graphs = not cfg.enforce_eager
+        eager = cfg.enforce_eager if cfg.enforce_eager is not None else self.device.type != "cuda"
+        self.use_graphs = not eager
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, spec, self.device, self.dtype, cfg.seed,
                                   cfg.graph_batch_sizes if self.use_graphs else None, self.max_model_len)
         self.graph_warmup_seconds = self.runner.warm_up_graphs()

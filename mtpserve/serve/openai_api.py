@@ -184,7 +184,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--max-model-len", type=int, default=None)
     a("--max-num-batched-tokens", type=int, default=None)
     a("--num-kv-blocks", type=int, default=None)
-    a("--enforce-eager", action="store_true", help="no graph capture")
+    a("--enforce-eager", action="store_true", default=None, help="never use graphs (default: graphs on CUDA, eager on CPU)")
     a("--dtype", default="auto")
     a("--seed", type=int, default=0)
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
