@@ -48,6 +48,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         while len(done) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"engine stopped with {len(ids) - len(done)} requests unfinished")
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out

@@ -1,4 +1,5 @@
 """Per-request sampling parameters (vLLM's names and defaults)."""
+import math
 from dataclasses import dataclass
 
 
@@ -31,16 +32,16 @@ class SamplingParams:
             raise ValueError(f"{name} = {getattr(self, name)!r}: {why}")
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
             bad("n", "must be an integer in [1, 128]")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", "must be >= 0")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            bad("temperature", "must be a finite number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be a positive integer")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63 - 128):
+            bad("seed", "must be an integer in [-2^63, 2^63 - 128)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -106,10 +106,18 @@ class MLAttention(nn.Module):
             num_blocks = -(-meta.max_seq_len // kv_cache.shape[1])
             keys = kv_cache[meta.block_tables[:, :num_blocks]].flatten(1, 2)[:, :meta.max_seq_len].to(x.dtype)
 
+        uniform = n == batch * meta.max_query_len   # every row has max_query_len tokens: a plain view
+
         def to_padded(t):  # [N, H, d] -> [B, H, max_q, d]
+            if uniform:
+                return t.view(batch, meta.max_query_len, *t.shape[1:]).transpose(1, 2)
             out = t.new_zeros(batch, meta.max_query_len, *t.shape[1:])
             out[meta.token_row, meta.token_col] = t
             return out.transpose(1, 2)
+
+        def from_padded(t):  # [B, H, max_q, d] -> [N, H, d]
+            t = t.transpose(1, 2)
+            return t.reshape(n, *t.shape[2:]) if uniform else t[meta.token_row, meta.token_col]
 
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and meta.max_query_len <= ABSORB_MAX_QUERY_LEN)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
@@ -121,8 +129,7 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(query, keys.unsqueeze(1).expand(-1, self.num_heads, -1, -1),
                                                  c.unsqueeze(1).expand(-1, self.num_heads, -1, -1),
                                                  attn_mask=meta.mask, scale=self.scale)
-            out = out.transpose(1, 2)[meta.token_row, meta.token_col]           # [N, H, r]
-            out = torch.einsum("nhr,hvr->nhv", out, w_uv)
+            out = torch.einsum("nhr,hvr->nhv", from_padded(out), w_uv)
         else:
             kv = F.linear(c, self.kv_b_proj.weight).view(batch, -1, self.num_heads, self.nope_dim + self.v_dim)
             k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -130,5 +137,5 @@ class MLAttention(nn.Module):
             query = to_padded(torch.cat([q_nope, q_pe], dim=-1))
             out = F.scaled_dot_product_attention(query, key.transpose(1, 2), value.transpose(1, 2),
                                                  attn_mask=meta.mask, scale=self.scale)
-            out = out.transpose(1, 2)[meta.token_row, meta.token_col]           # [N, H, v]
+            out = from_padded(out)                                                # [N, H, v]
         return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))

@@ -80,6 +80,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self._last_positions, self._last_cos, self._last_sin = None, None, None
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_tables()
@@ -97,9 +98,18 @@ class RotaryEmbedding(nn.Module):
                              inv_freq.to(device))
         self.cos, self.sin = angles.cos() * scale, angles.sin() * scale
 
+    def _angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # graphs reuse static position buffers: never cache there
+            return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        if positions is not self._last_positions or dtype != self._last_cos.dtype:
+            # every layer rotates the same positions tensor: look the angles up once per forward
+            self._last_positions = positions
+            self._last_cos, self._last_sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return self._last_cos, self._last_sin
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [..., tokens, (heads,) dim] where positions matches the tokens axis; heads optional."""
-        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+        cos, sin = self._angles(positions, x.dtype)
         if x.dim() == positions.dim() + 2:  # has a heads axis
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         if self.cfg.rope_interleave:
