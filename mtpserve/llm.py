@@ -27,9 +27,12 @@ class LLM:
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs all prompts to completion; outputs come back in the order of the prompts. If one prompt is
         bad (ValueError), nothing is left queued."""
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        items = [(p, None) for p in prompts] if prompts is not None else [(None, t) for t in prompt_token_ids or []]
+        if prompts is not None:   # strings, or vLLM-style {"prompt": ...} / {"prompt_token_ids": [...]} dicts
+            items = [(p.get("prompt"), p.get("prompt_token_ids")) if isinstance(p, dict) else (p, None) for p in prompts]
+        else:
+            items = [(None, t) for t in prompt_token_ids or []]
         if not items:
             raise ValueError("prompts: give prompts or prompt_token_ids")
         params = sampling_params or SamplingParams()
