@@ -53,6 +53,29 @@ def greedy_acceptance(model, seq: list[int], start: int, depth: int) -> list[lis
     return out
 
 
+@torch.no_grad()
+def heldout_agreement(model, windows: list[torch.Tensor], depth: int) -> list[float]:
+    """Teacher forced on real text: the fraction of positions p where, for every k' <= k, depth k''s
+    draft (for t[p+k'+1]) equals the main model's argmax at p+k' (which also predicts t[p+k'+1])."""
+    hits, total = [0] * depth, 0
+    for w in windows:
+        ids = w[None]
+        L = ids.shape[1]
+        h = model.forward_dense(ids)
+        main_pred = model.compute_logits(h).argmax(-1)[0]          # [L], main at p predicts t[p+1]
+        prev, ok = h, None
+        n = L - depth - 1
+        for k in range(1, depth + 1):
+            g = model.mtp_forward_dense(k - 1, ids[:, k:L], prev[:, :L - k])
+            pred = model.mtp_logits(k - 1, g).argmax(-1)[0]
+            agree = pred[:n] == main_pred[k:k + n]
+            ok = agree if ok is None else ok & agree
+            hits[k - 1] += int(ok.sum())
+            prev = g
+        total += n
+    return [x / total for x in hits]
+
+
 def heldout_prompts(tok, n: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
     """n prompts: <|bos|> + the first prompt_tokens tokens of held-out files (cycling if needed)."""
     root = data.stdlib_root()
@@ -92,6 +115,8 @@ def main(argv=None) -> dict:
         windows = data.eval_windows(tokens, args.seq_len + depth + 1, 100_000)
         res = {"heldout_files": len(held), "heldout_tokens": n_tok, "windows": len(windows),
                "seq_len": args.seq_len, **loss.evaluate(model, windows, depth)}
+    for k, v in enumerate(heldout_agreement(model, windows, depth)):
+        res[f"agree_with_main_upto_depth{k + 1}"] = v
     accepted = []
     for prompt in heldout_prompts(tok, args.prompts, args.prompt_tokens):
         seq = greedy_continue(model, prompt, args.new_tokens)

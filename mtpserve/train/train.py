@@ -175,9 +175,10 @@ def run_train(args) -> dict:
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     train_seconds = time.time() - t0
     final = loss_mod.evaluate(model, data.eval_windows(held_tokens, window, 10_000), depth)
-    if step % args.eval_every != 0:  # make sure the curve ends with an eval point
+    if step % args.eval_every != 0:  # end the curve with an eval point (same windows as the others)
         row = train_row(step, t0, lr, o)
-        row.update({f"eval_{k}": round(v, 4) for k, v in final.items()})
+        last = loss_mod.evaluate(model, eval_set, depth)
+        row.update({f"eval_{k}": round(v, 4) for k, v in last.items()})
         writer.writerow(row)
     f_csv.close()
     plot.plot_curves(csv_path, run_dir / "curve.png",
