@@ -149,3 +149,23 @@ def test_sampling_is_lossless(tmp_path_factory, spec):
     m = llm.get_metrics()
     check_metrics(m, spec["num_speculative_tokens"])
     assert 0.05 < m["acceptance_rate"] < 1.0    # both accept and reject paths were taken
+
+
+def test_mtp_output_index_equals_full_pass(random_ckpt):
+    """The drafting pass computes attention and MoE only for the wanted token of each request; its outputs and
+    the MTP KV it writes equal the full pass's."""
+    from mtpserve.runner.batch import Row, build_batch
+    model = load_model(random_ckpt)
+    dim = model.config.kv_cache_dim
+    rows = [Row([3, 4, 5, 6], 0, [0, 1]), Row([7, 8], 5, [2, 3]), Row([9], 2, [4])]
+    hidden = torch.randn(7, model.config.hidden_size)
+    outs, caches = [], []
+    for index in [None, torch.tensor([3, 5, 6])]:
+        cache = torch.zeros(6, 4, dim)
+        cache[:5] = 0.5   # stale entries before each row's start
+        ids, pos, meta = build_batch(rows, 4, "cpu")
+        with torch.no_grad():
+            outs.append(model.mtp_forward(0, ids, pos, hidden, meta, cache, index))
+        caches.append(cache)
+    torch.testing.assert_close(outs[1], outs[0][[3, 5, 6]])
+    torch.testing.assert_close(caches[1], caches[0])

@@ -36,6 +36,14 @@ class AttentionMetadata:
     token_col: torch.Tensor | None = None   # [N] index of each token inside its request's query block
     mask: torch.Tensor | None = None        # [B, 1, max_q, max_kv] True = may attend
 
+    def select(self, index: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":
+        """Metadata for one query token per request (`index`: one flat token index per request), attending
+        to the same KV; causality comes from the positions."""
+        batch = self.seq_lens.shape[0]
+        meta = AttentionMetadata(torch.arange(batch + 1, device=index.device), self.seq_lens,
+                                 self.slot_mapping[index], self.block_tables, 1, self.max_seq_len)
+        return meta.prepare(positions[index])
+
     def prepare(self, positions: torch.Tensor) -> "AttentionMetadata":
         device = positions.device
         num_tokens = positions.shape[0]
@@ -86,6 +94,15 @@ class MLAttention(nn.Module):
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
         self.mode = "auto"       # "auto" | "absorbed" | "expanded"
 
+    def latent_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """What the cache keeps per token: the normalized latent and the rotated shared rope key."""
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(latent), self.rotary[0](positions, k_pe)], dim=-1)
+
+    def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_cache: torch.Tensor) -> None:
+        kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = self.latent_kv(x, positions).to(kv_cache.dtype)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
         """x: [N, hidden] flat tokens. kv_cache None: keys are this batch's own tokens (dense batches)."""
@@ -94,8 +111,7 @@ class MLAttention(nn.Module):
         q = q.view(n, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.rotary[0](positions, q_pe)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_new = torch.cat([self.kv_a_layernorm(latent), self.rotary[0](positions, k_pe)], dim=-1)
+        kv_new = self.latent_kv(x, positions)
 
         batch = meta.seq_lens.shape[0]
         if kv_cache is None:

@@ -43,9 +43,14 @@ class MTPLayer(DecoderLayer):
         self.embed_tokens = embed_tokens          # shared with the main model unless the checkpoint differs
         self.shared_head = SharedHead(cfg, lm_head)
 
-    def forward(self, input_ids, prev_hidden, positions, meta, kv_cache):
+    def forward(self, input_ids, prev_hidden, positions, meta, kv_cache, output_index=None):
+        """output_index (one token per request): only those tokens' outputs are wanted. The others then only
+        write their KV; attention and MoE run for the wanted tokens alone (exact: nothing else reads them)."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1))
-        return super().forward(x, positions, meta, kv_cache)
+        if output_index is None or kv_cache is None:
+            return super().forward(x, positions, meta, kv_cache)
+        self.self_attn.write_kv(self.input_layernorm(x), positions, meta.slot_mapping, kv_cache)
+        return super().forward(x[output_index], positions[output_index], meta.select(output_index, positions), kv_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(self.shared_head.norm(hidden)).float()
@@ -97,11 +102,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def mtp_forward(self, depth: int, input_ids, positions, prev_hidden, meta: AttentionMetadata,
-                    kv_cache: torch.Tensor | None) -> torch.Tensor:
-        """MTP module `depth` on a flat batch; returns its block output (before shared_head.norm)."""
+                    kv_cache: torch.Tensor | None, output_index: torch.Tensor | None = None) -> torch.Tensor:
+        """MTP module `depth` on a flat batch; returns its block output (before shared_head.norm), for every
+        token or only for `output_index`."""
         if meta.mask is None:
             meta.prepare(positions)
-        return self.mtp_layers[depth](input_ids, prev_hidden, positions, meta, kv_cache)
+        return self.mtp_layers[depth](input_ids, prev_hidden, positions, meta, kv_cache, output_index)
 
     def mtp_logits(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
         return self.mtp_layers[depth].logits(hidden)

@@ -45,16 +45,19 @@ class ModelRunner:
             self.proposer = MTPProposer(model, spec, self.forward, self.generator, device)
             self.proposer.static_shapes = self.graphs is not None
 
-    def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
+                output_index: list[int] | None = None) -> torch.Tensor:
         """Runs the main model ("main") or MTP layer j ("mtp{j}") on rows: a graph when the rows are uniform
-        and fit one, else eagerly."""
+        and fit one, else eagerly. Returns hidden states of every token, or of `output_index` (MTP only)."""
         if self.graphs is not None and self.graphs.fits(rows):
-            return self.graphs.run(what, rows, prev_hidden)
+            out = self.graphs.run(what, rows, prev_hidden)
+            return out if output_index is None else out[output_index]
         input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
         if what == "main":
             return self.model(input_ids, positions, meta, self.main_caches)
         layer = int(what.removeprefix("mtp"))
-        return self.model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, self.mtp_caches[layer])
+        index = None if output_index is None else torch.tensor(output_index, device=self.device)
+        return self.model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, self.mtp_caches[layer], index)
 
     def warm_up_graphs(self) -> float:
         """Compiles/captures every graph now (start-up); returns the seconds it took."""
