@@ -141,10 +141,13 @@ class MLAttention(nn.Module):
         c, k_rope = keys[..., :self.kv_lora_rank], keys[..., self.kv_lora_rank:]
         if absorbed:
             q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
-            query = to_padded(torch.cat([q_latent, q_pe], dim=-1))
-            out = F.scaled_dot_product_attention(query, keys.unsqueeze(1).expand(-1, self.num_heads, -1, -1),
-                                                 c.unsqueeze(1).expand(-1, self.num_heads, -1, -1),
-                                                 attn_mask=meta.mask, scale=self.scale)
+            query = to_padded(torch.cat([q_latent, q_pe], dim=-1))           # [B, H, max_q, r + rope]
+            # One latent key/value per token, shared by every head: heads become extra query rows (MQA).
+            rows = query.reshape(batch, -1, query.shape[-1])
+            scores = torch.bmm(rows, keys.transpose(1, 2)).float() * self.scale    # [B, H * max_q, kv]
+            mask = meta.mask.expand(-1, self.num_heads, -1, -1).reshape(batch, -1, scores.shape[-1])
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(c.dtype)
+            out = torch.bmm(probs, c).view(batch, self.num_heads, meta.max_query_len, -1)
             out = torch.einsum("nhr,hvr->nhv", from_padded(out), w_uv)
         else:
             kv = F.linear(c, self.kv_b_proj.weight).view(batch, -1, self.num_heads, self.nope_dim + self.v_dim)
