@@ -21,6 +21,15 @@ class StepResult:
     next_draft_probs: torch.Tensor | None = None
 
 
+def stack_draft_probs(reqs, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, k, V] draft distributions; greedy requests carry none (their drafts are argmaxes): one-hot."""
+    probs = torch.zeros(*drafts.shape, vocab, device=drafts.device).scatter_(-1, drafts.unsqueeze(-1), 1.0)
+    for b, r in enumerate(reqs):
+        if r.draft_probs is not None:
+            probs[b] = r.draft_probs
+    return probs
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
@@ -102,6 +111,11 @@ class ModelRunner:
         if not idx:
             return
         reqs = [scheduled[i].req for i in idx]
+        if all(r.params.greedy for r in reqs):   # no distribution needed: the argmax is the sample
+            tokens = self.model.compute_logits(hidden[[offsets[i + 1] - 1 for i in idx]]).argmax(-1)
+            for i, token in zip(idx, tokens.tolist()):
+                results[i].new_token_ids = [token]
+            return
         probs = self._target_probs(reqs, hidden[[offsets[i + 1] - 1 for i in idx]], None)
         noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device,
                      [r.params.greedy for r in reqs])
@@ -114,8 +128,13 @@ class ModelRunner:
         k = len(scheduled[idx[0]].draft_token_ids)
         reqs = [scheduled[i].req for i in idx]
         rows = [offsets[i + 1] - k - 1 + j for i in idx for j in range(k + 1)]
-        target = self._target_probs(reqs, hidden[rows], [k + 1] * len(idx)).view(len(idx), k + 1, -1)
         drafts = torch.tensor([scheduled[i].draft_token_ids for i in idx], device=self.device)
+        if self.spec.synthetic_acceptance is None and all(r.params.greedy for r in reqs):
+            # greedy matching: keep drafts while they equal the target's argmax, then one argmax more
+            target_ids = self.model.compute_logits(hidden[rows]).argmax(-1).view(len(idx), k + 1)
+            accepted = (drafts == target_ids[:, :k]).long().cumprod(-1).sum(-1)
+            return self._record(idx, target_ids, accepted, k, results)
+        target = self._target_probs(reqs, hidden[rows], [k + 1] * len(idx)).view(len(idx), k + 1, -1)
         gens = [r.generator for r in reqs]
         greedy = [r.params.greedy for r in reqs]
         uniforms = draw(gens, (k,), "uniform", self.generator, self.device, greedy)
@@ -125,8 +144,12 @@ class ModelRunner:
         else:
             draft_probs = None
             if self.spec.draft_sampling == "probabilistic":
-                draft_probs = torch.stack([r.draft_probs for r in reqs])
+                draft_probs = stack_draft_probs(reqs, drafts, target.shape[-1])
             tokens, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise, self.spec.verification)
+        self._record(idx, tokens, accepted, k, results)
+
+    @staticmethod
+    def _record(idx, tokens, accepted, k, results):
         for i, row, a in zip(idx, tokens.tolist(), accepted.tolist()):
             results[i].new_token_ids = row[:a + 1]
             results[i].num_drafts, results[i].num_accepted = k, a

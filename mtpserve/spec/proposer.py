@@ -65,8 +65,8 @@ class MTPProposer:
 
     def _draft(self, layer, hidden, reqs):
         logits = self.model.mtp_logits(layer, hidden)
-        if self.spec.draft_sampling == "greedy":
-            return logits.argmax(-1), None
+        if self.spec.draft_sampling == "greedy" or all(r.params.greedy for r in reqs):
+            return logits.argmax(-1), None   # one-hot drafts: no distribution to keep
         probs = logits_to_probs(logits, *sampling_tensors(reqs, None, self.device))
         noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device,
                      [r.params.greedy for r in reqs])
