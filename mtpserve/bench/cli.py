@@ -1,0 +1,164 @@
+"""`mtpserve bench {latency,throughput,serve,peers,roofline,report}` (flags follow `vllm bench`)."""
+import argparse
+import asyncio
+import json
+
+from mtpserve.bench import common
+
+
+def _common(p: argparse.ArgumentParser, input_len: int = 32, output_len: int = 64) -> None:
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the shipped model; while it is absent, "
+                                                 "a random stand-in checkpoint written under --scratch-dir)")
+    p.add_argument("--speculative-config", default=None, type=json.loads,
+                   help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    p.add_argument("--input-len", type=int, default=input_len)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="never use graphs (default: graphs on CUDA, eager on the CPU)")
+    p.add_argument("--graph-mode", action="store_true",
+                   help="force graph mode (compiled fixed-shape decode steps), also on the CPU")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--scratch-dir", default="runs/bench")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", required=True)
+    lat = sub.add_parser("latency", help="ITL/TPOT/acceptance over batch sizes x k x scorers, side by side")
+    _common(lat)
+    lat.add_argument("--batch-sizes", default=None, help="comma list, e.g. 1,8,32 (default: --batch-size)")
+    lat.add_argument("--ks", default=None, help="comma list of num_speculative_tokens, 0 = no MTP (default: 0 and "
+                                                "the --speculative-config k)")
+    lat.add_argument("--scorers", default="mqa", help="comma list of mqa,batch_expansion")
+    lat.add_argument("--synthetic-acceptance", type=float, default=None,
+                     help="MEASUREMENT MODE: each draft passes with this fixed probability (output not lossless)")
+    lat.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    tp = sub.add_parser("throughput", help="many prompts offline: tokens/s and requests/s")
+    _common(tp, 32, 64)
+    tp.add_argument("--max-num-seqs", type=int, default=64)
+    sv = sub.add_parser("serve", help="concurrent streaming clients against a running `mtpserve serve`")
+    _common(sv, 32, 64)
+    sv.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="the 'model' field (default: the server's first)")
+    sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    sv.add_argument("--fixed-rate", action="store_true", help="fixed intervals instead of Poisson arrivals")
+    sv.add_argument("--max-concurrency", type=int, default=None)
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--seed", type=int, default=0)
+    pe = sub.add_parser("peers", help="our engine vs transformers generate (plain and use_mtp) on the same prompts")
+    _common(pe, 32, 64)
+    pe.add_argument("--k", type=int, default=1, help="our MTP k for the comparison (0: none)")
+    pe.add_argument("--no-hf-mtp", action="store_true", help="skip transformers generate(use_mtp=True)")
+    rf = sub.add_parser("roofline", help="bandwidth floor of a decode step vs the measured step (random ~300M model)")
+    _common(rf, 32, 16)
+    rp = sub.add_parser("report", help="write docs/BENCHMARKS.md (and plots) from result JSON files")
+    rp.add_argument("--results", nargs="+", required=True, help="result JSON files")
+    rp.add_argument("--out", default="docs/BENCHMARKS.md")
+    rp.add_argument("--plot-dir", default="docs")
+    rp.add_argument("--notes", default=None, help="markdown file placed after the targets (the analysis)")
+
+
+def run_bench(args) -> dict | None:
+    if args.bench_command == "report":
+        from mtpserve.bench import report
+        notes = open(args.notes).read().strip() if args.notes else None
+        report.write_report(args.results, args.out, args.plot_dir, notes)
+        return None
+    if getattr(args, "graph_mode", False):
+        args.enforce_eager = False
+    if getattr(args, "threads", None):
+        import torch
+        torch.set_num_threads(args.threads)
+    record = common.run_record(args.bench_command, args)
+    if args.bench_command == "serve":
+        record["results"] = _serve(args, record)
+    else:
+        path, kind = common.resolve_model(args.model, args.scratch_dir) if args.bench_command != "roofline" \
+            else (args.model, "random dense (roofline)" if args.model is None else "given")
+        record["model_kind"] = kind
+        if path is not None:
+            record["model"] = common.model_info(path)
+        record["results"] = globals()["_" + args.bench_command](args, path)
+    record["measurement_mode"] = ("SYNTHETIC ACCEPTANCE (each draft passes with probability "
+                                  f"{args.synthetic_acceptance}; output is not lossless)"
+                                  if getattr(args, "synthetic_acceptance", None) is not None else "real")
+    common.write_json(record, args.output_json)
+    if args.bench_command == "latency" and args.plot_dir:
+        from mtpserve.bench import report
+        report.plot_latency(record, args.plot_dir)
+    return record
+
+
+def _latency(args, path: str) -> dict:
+    from mtpserve.bench import latency
+    spec = args.speculative_config
+    ks = common.parse_list(args.ks) if args.ks else sorted({0, spec["num_speculative_tokens"] if spec else 0})
+    batch_sizes = common.parse_list(args.batch_sizes) if args.batch_sizes else [args.batch_size]
+    scorers = common.parse_list(args.scorers, str)
+    if args.synthetic_acceptance is not None:
+        print(f"MEASUREMENT MODE: synthetic acceptance {args.synthetic_acceptance} (not lossless)")
+    res = latency.sweep(path, batch_sizes, ks, scorers, args.input_len, args.output_len, args.num_iters,
+                        args.enforce_eager, args.dtype, spec, args.synthetic_acceptance)
+    latency.print_table(res["configs"])
+    return res
+
+
+def _throughput(args, path: str) -> dict:
+    from mtpserve.bench import throughput
+    res = throughput.run_throughput(path, args.speculative_config, args.num_prompts, args.input_len,
+                                    args.output_len, args.max_num_seqs, args.enforce_eager, args.dtype)
+    print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['output_tokens_per_s']:.1f} output tokens/s, "
+          f"{res['total_tokens_per_s']:.1f} total tokens/s ({res['num_prompts']} prompts in {res['elapsed_s']:.2f}s)")
+    return res
+
+
+def _peers(args, path: str) -> dict:
+    from mtpserve.bench import throughput
+    res = throughput.run_peer_comparison(path, args.k, args.input_len, args.output_len, args.batch_size,
+                                         args.num_prompts, args.enforce_eager, with_mtp=not args.no_hf_mtp)
+    for name, v in res["ratios"].items():
+        print(f"  {name}: {v:.2f}x")
+    return res
+
+
+def _roofline(args, path: str | None) -> dict:
+    from mtpserve.bench import roofline
+    return roofline.run_roofline(path, args.input_len, args.output_len, args.num_iters, args.scratch_dir)
+
+
+def _serve(args, record: dict) -> dict:
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    from mtpserve.bench import serve
+    base = args.base_url or f"http://{args.host}:{args.port}"
+    model = args.served_model_name
+    if model is None:
+        models = httpx.get(base + "/v1/models", timeout=30,
+                           headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
+        model = models["data"][0]["id"]
+    vocab, tokenizer = _server_vocab(args)
+    prompts = common.make_prompts(args.num_prompts, args.input_len, vocab, tokenizer, seed=args.seed)
+    res = asyncio.run(serve.run_clients(base, model, prompts, args.output_len, args.request_rate,
+                                        args.max_concurrency, not args.fixed_rate, args.api_key, args.seed))
+    res.update(base_url=base, served_model=model, request_rate=str(args.request_rate),
+               arrivals="fixed" if args.fixed_rate else "poisson", max_concurrency=args.max_concurrency)
+    serve.print_serving(res)
+    return res
+
+
+def _server_vocab(args):
+    """Prompts are token ids below the model's vocab: --model (the server's checkpoint) gives the vocab size
+    and tokenizer (stdlib-source prompts); without it, random ids below 256 (safe for any checkpoint we make)."""
+    if args.model:
+        from mtpserve.engine.engine import load_tokenizer
+        with open(f"{args.model}/config.json") as f:
+            return json.load(f)["vocab_size"], load_tokenizer(args.model)
+    return 256, None

@@ -1,0 +1,162 @@
+"""`mtpserve bench latency`: batch-size x k x scorer sweeps on one model, measured side by side.
+
+Every configuration gets its own engine (same checkpoint, same prompts); the measured iterations are
+interleaved round-robin over the configurations so that machine noise hits them all alike. Greedy
+(temperature 0), ignore_eos, a fixed output length. Timestamps are taken around LLMEngine.step(): a
+request's ITL is the gap between consecutive steps that gave it tokens.
+"""
+import gc
+import time
+
+from mtpserve.bench import common
+from mtpserve.sampling_params import SamplingParams
+
+
+def spec_dict(k: int, scorer: str, base: dict | None, synthetic: float | None) -> dict | None:
+    if k == 0:
+        return None
+    d = dict(base or {"method": "mtp"})
+    d.update(num_speculative_tokens=k, scorer=scorer)
+    if synthetic is not None:
+        d["synthetic_acceptance"] = synthetic
+    return d
+
+
+def config_name(k: int, scorer: str) -> str:
+    return "no_mtp" if k == 0 else f"mtp_k{k}_{scorer}"
+
+
+def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, enforce_eager: bool, dtype: str,
+                 block_size: int = 16):
+    from mtpserve.engine.engine import LLMEngine
+    k = spec["num_speculative_tokens"] if spec else 0
+    blocks = max_batch * (-(-(max_len + k + 1) // block_size)) + 8
+    graphs = {} if enforce_eager is not False else {"graph_batch_sizes": [max_batch]}  # one graph size: the batch
+    return LLMEngine.from_kwargs(model=model, speculative_config=spec, max_num_seqs=max_batch,
+                                 max_num_batched_tokens=max(2048, max_batch * max_len), max_model_len=max_len + k + 8,
+                                 num_kv_blocks=blocks, block_size=block_size, enforce_eager=enforce_eager, dtype=dtype,
+                                 **graphs)
+
+
+def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b") -> dict:
+    """Runs `prompts` as one batch to completion; -> per-request metrics, totals, spec counters, tokens."""
+    from mtpserve.spec.metrics import SpecDecodeMetrics
+    if engine.spec_metrics is not None:
+        engine.spec_metrics = SpecDecodeMetrics(engine.spec_metrics.num_speculative_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    start = time.perf_counter()
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, None, p, params)
+    emissions = {rid: [] for rid in ids}
+    tokens, num_steps = {}, 0
+    while len(tokens) < len(ids):
+        outs = engine.step()
+        now = time.perf_counter()
+        num_steps += 1
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            if not emissions[out.request_id] or emissions[out.request_id][-1][1] < n:
+                emissions[out.request_id].append((now, n))
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    end = time.perf_counter()
+    per_req = [common.request_metrics(start, emissions[rid]) for rid in ids]
+    m = engine.get_metrics()
+    return dict(per_request=per_req, duration=end - start, num_steps=num_steps,
+                num_output_tokens=sum(r["num_tokens"] for r in per_req),
+                spec=common.acceptance_stats(m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"],
+                                             m["accepted_per_position"]),
+                tokens=[tokens[rid] for rid in ids])
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Pools the iterations of one configuration."""
+    reqs = [r for run in runs for r in run["per_request"]]
+    itls = [x for r in reqs for x in r["itls"]]
+    spec = [run["spec"] for run in runs]
+    drafts = sum(s["num_drafts"] for s in spec)
+    per_pos_counts = None
+    if drafts:
+        width = max(len(s["acceptance_per_position"]) for s in spec)
+        per_pos_counts = [sum(s["acceptance_per_position"][i] * s["num_drafts"] for s in spec
+                              if i < len(s["acceptance_per_position"])) for i in range(width)]
+    acc = common.acceptance_stats(drafts, sum(s["num_draft_tokens"] for s in spec),
+                                  sum(s["num_accepted_tokens"] for s in spec), per_pos_counts or [])
+    duration = sum(run["duration"] for run in runs)
+    out_tokens = sum(run["num_output_tokens"] for run in runs)
+    tpot = common.mean(r["tpot"] for r in reqs)
+    return dict(itl_ms=common.summarize(itls), tpot_ms=common.summarize([r["tpot"] for r in reqs]),
+                ttft_ms=common.summarize([r["ttft"] for r in reqs]), e2e_ms=common.summarize([r["e2e"] for r in reqs]),
+                output_tokens_per_s=out_tokens / duration if duration else None,
+                decode_tokens_per_s_per_request=1.0 / tpot if tpot else None,
+                mean_steps_per_run=common.mean(run["num_steps"] for run in runs), num_iters=len(runs), **acc)
+
+
+def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str], input_len: int, output_len: int,
+          num_iters: int, enforce_eager: bool, dtype: str = "auto", spec_base: dict | None = None,
+          synthetic: float | None = None, tokenizer_prompts: bool = True, log=print) -> dict:
+    """-> {"configs": [...], "prompts": ..., "outputs_match_no_mtp": ...}. One engine per (k, scorer)."""
+    from mtpserve.engine.engine import LLMEngine
+    max_batch = max(batch_sizes)
+    configs = [(k, s) for k in ks for s in (scorers if k else scorers[:1])]
+    engines = {}
+    for k, s in configs:
+        engines[(k, s)] = build_engine(model, spec_dict(k, s, spec_base, synthetic), max_batch,
+                                       input_len + output_len, enforce_eager, dtype)
+    any_engine: LLMEngine = next(iter(engines.values()))
+    # iteration i runs prompts[i*bs : (i+1)*bs]: small batches see several prompts, every config the same ones
+    prompts = common.make_prompts(max_batch * num_iters, input_len, any_engine.model_config.vocab_size,
+                                  any_engine.tokenizer if tokenizer_prompts else None)
+    for (k, s), eng in engines.items():   # warm-up: one short batch each
+        run_batch(eng, prompts[:2], min(8, output_len), tag="w")
+    runs = {(bs, k, s): [] for bs in batch_sizes for k, s in configs}
+    for it in range(num_iters):
+        for bs in batch_sizes:
+            for k, s in configs:
+                r = run_batch(engines[(k, s)], prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
+                runs[(bs, k, s)].append(r)
+                log(f"  iter {it} batch {bs:3d} {config_name(k, s):24s} {r['duration']:.3f}s "
+                    f"accept-len {r['spec']['mean_acceptance_length']:.2f}")
+    results = []
+    for bs in batch_sizes:
+        base = runs[(bs, configs[0][0], configs[0][1])] if configs[0][0] == 0 else None
+        for k, s in configs:
+            agg = aggregate(runs[(bs, k, s)])
+            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s), **agg)
+            if base is not None:
+                same = all(a == b for r0, r1 in zip(base, runs[(bs, k, s)]) for a, b in zip(r0["tokens"], r1["tokens"]))
+                row["greedy_tokens_equal_no_mtp"] = same if synthetic is None else None
+            results.append(row)
+    add_ratios(results)
+    first = next(iter(engines.values()))
+    mc = first.model_config
+    kv_bytes = (mc.num_hidden_layers + mc.num_nextn_predict_layers) * mc.kv_cache_dim * first.dtype.itemsize
+    tokens = {bs: [t for r in runs[(bs, configs[0][0], configs[0][1])] for t in r["tokens"]] for bs in batch_sizes}
+    del engines
+    gc.collect()
+    return dict(configs=results, kv_cache_bytes_per_token=kv_bytes, peak_rss_bytes=common.peak_rss_bytes(),
+                prompt_token_ids=prompts, reference_tokens=tokens)
+
+
+def add_ratios(results: list[dict]) -> None:
+    """Speedups against the no-MTP row of the same batch size (TPOT ratio, ITL ratio, tokens/s ratio)."""
+    base = {r["batch_size"]: r for r in results if r["k"] == 0}
+    for r in results:
+        b = base.get(r["batch_size"])
+        if b is None:
+            continue
+        r["tpot_speedup"] = b["tpot_ms"]["mean"] / r["tpot_ms"]["mean"] if r["tpot_ms"]["mean"] else None
+        r["itl_ratio_vs_no_mtp"] = r["itl_ms"]["mean"] / b["itl_ms"]["mean"] if b["itl_ms"]["mean"] else None
+        r["throughput_speedup"] = r["output_tokens_per_s"] / b["output_tokens_per_s"]
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'batch':>5} {'config':24} {'ITL ms':>9} {'TPOT ms':>9} {'tok/s':>9} {'acc rate':>8} {'acc len':>7} "
+          f"{'speedup':>7}  per-position")
+    for r in results:
+        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+        sp = f"{r.get('tpot_speedup'):.2f}x" if r.get("tpot_speedup") else "-"
+        pos = ",".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        print(f"{r['batch_size']:5d} {r['name']:24} {r['itl_ms']['mean']:9.2f} {r['tpot_ms']['mean']:9.2f} "
+              f"{r['output_tokens_per_s']:9.1f} {acc:>8} {r['mean_acceptance_length']:7.2f} {sp:>7}  {pos}")

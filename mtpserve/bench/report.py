@@ -1,0 +1,261 @@
+"""PNG plots and docs/BENCHMARKS.md, generated from result JSON files (`mtpserve bench report`)."""
+import json
+import os
+
+
+DEFINITIONS = """Definitions. **ITL**: time between consecutive engine steps that give a request tokens (one verify
+step with MTP, which may emit several tokens). **TPOT**: (e2e latency - TTFT) / (output tokens - 1), the first
+token excluded. **Acceptance rate**: accepted draft tokens / proposed draft tokens. **Mean acceptance length**:
+1 + accepted / drafts (tokens per verify step). **Per position**: fraction of verify steps whose draft i was
+accepted. **TPOT speedup**: TPOT(no MTP) / TPOT(config) at the same batch size. All latency runs: greedy
+(temperature 0), ignore_eos, fixed output length; prompts are slices of the Python standard library's source
+(the default model is trained on such text) tokenized with the model's tokenizer."""
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_latency(record: dict, plot_dir: str, prefix: str = "bench_") -> list[str]:
+    """speedup vs k, acceptance per position, TPOT vs batch size (with and without MTP)."""
+    plt = _plt()
+    rows = record["results"]["configs"]
+    os.makedirs(plot_dir, exist_ok=True)
+    tag = " (SYNTHETIC acceptance)" if record.get("measurement_mode", "real") != "real" else ""
+    paths = []
+    batch_sizes = sorted({r["batch_size"] for r in rows})
+    scorers = sorted({r["scorer"] for r in rows if r["scorer"]}, key=lambda x: (x != "mqa", x))   # mqa first
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for bs in batch_sizes:
+        for sc in scorers:
+            pts = sorted((r["k"], r.get("tpot_speedup") or 1.0) for r in rows
+                         if r["batch_size"] == bs and (r["scorer"] == sc or r["k"] == 0))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch {bs}, {sc}")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set(xlabel="k (num_speculative_tokens)", ylabel="TPOT speedup vs no MTP", title="Speedup vs k" + tag)
+    ax.set_xticks(sorted({r["k"] for r in rows}))
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, plot_dir, prefix + "speedup_vs_k.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r["k"] and r["batch_size"] == batch_sizes[0] and r["scorer"] == scorers[0]:
+            pos = r["acceptance_per_position"]
+            ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"k={r['k']}")
+    ax.set(xlabel="draft position", ylabel="fraction of drafts accepted", ylim=(0, 1.05),
+           title=f"Acceptance per position (batch {batch_sizes[0]}, {scorers[0] if scorers else ''})" + tag)
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, plot_dir, prefix + "acceptance_per_position.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in sorted({r["k"] for r in rows}):
+        pts = sorted((r["batch_size"], r["tpot_ms"]["mean"]) for r in rows
+                     if r["k"] == k and (k == 0 or r["scorer"] == scorers[0]))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="no MTP" if k == 0 else f"MTP k={k} ({scorers[0]})")
+    ax.set(xlabel="batch size", ylabel="TPOT (ms)", xscale="log", title="TPOT vs batch size" + tag)
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, plot_dir, prefix + "tpot_vs_batch.png"))
+    return paths
+
+
+def _save(fig, plot_dir: str, name: str) -> str:
+    path = os.path.join(plot_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
+def _f(v, fmt="{:.2f}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def latency_tables(rec: dict) -> list[str]:
+    rows = rec["results"]["configs"]
+    out = [f"Command: `{rec['command']}`", "", f"Model: `{rec.get('model', {}).get('path')}` ({rec.get('model_kind')}) — "
+           f"{rec.get('model', {}).get('num_params_in_checkpoint', 0) / 1e6:.1f}M parameters in the checkpoint; "
+           f"measurement mode: **{rec.get('measurement_mode', 'real')}**; {rec['results']['configs'][0]['num_iters']} "
+           f"iterations per config, interleaved.", ""]
+    seed_bs = min(r["batch_size"] for r in rows)
+    mode = "graph mode" if "--graph-mode" in rec["command"] else "eager"
+    out += [f"Seed-style table (batch {seed_bs}, {mode}):", "",
+            "| config | ITL ms | TPOT ms | acceptance rate | mean acceptance length | TPOT speedup | ITL vs no MTP |",
+            "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["batch_size"] == seed_bs and (r["k"] == 0 or r["scorer"] == "mqa" or "mqa" not in
+                                           {x["scorer"] for x in rows}):
+            name = "no MTP" if r["k"] == 0 else f"MTP k={r['k']}"
+            out.append(f"| {name} | {_f(r['itl_ms']['mean'])} | {_f(r['tpot_ms']['mean'])} | "
+                       f"{_f(r['acceptance_rate'], '{:.3f}')} | {_f(r['mean_acceptance_length'])} | "
+                       f"{_f(r.get('tpot_speedup'))}x | {_f(r.get('itl_ratio_vs_no_mtp'))}x |")
+    out += ["", "Full sweep:", "",
+            "| batch | config | ITL ms | TPOT ms | output tok/s | acc. rate | acc. length | per position | "
+            "TPOT speedup | greedy = no MTP |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pos = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        out.append(f"| {r['batch_size']} | {r['name']} | {_f(r['itl_ms']['mean'])} | {_f(r['tpot_ms']['mean'])} | "
+                   f"{_f(r['output_tokens_per_s'], '{:.1f}')} | {_f(r['acceptance_rate'], '{:.3f}')} | "
+                   f"{_f(r['mean_acceptance_length'])} | {pos} | {_f(r.get('tpot_speedup'))}x | "
+                   f"{_f(r.get('greedy_tokens_equal_no_mtp'), '{}')} |")
+    res = rec["results"]
+    frac = rec.get("model", {}).get("mtp_pass_over_main_step_params")
+    if frac:
+        out += ["", f"Cost model: one MTP pass (one MTP layer + the shared output head) has {100 * frac:.0f}% of the "
+                    "parameters a main-model decode step has (all layers + head; MoE layers counted whole). In a "
+                    "bandwidth- or overhead-bound step that puts a floor of about "
+                    f"{1 + frac:.2f}x under ITL(k=1)/ITL(no MTP) and ~{frac:.2f} extra main-step costs per extra k."]
+    out += ["", f"KV cache: {res['kv_cache_bytes_per_token']} bytes per token (all layers incl. MTP); peak RSS of "
+                f"the run {res['peak_rss_bytes'] / 2**20:.0f} MiB (all engines of the sweep together)."]
+    return out
+
+
+def peers_table(rec: dict) -> list[str]:
+    r = rec["results"]
+    bs = r["batch_size"]
+    out = [f"Command: `{rec['command']}`", "", f"{r['num_single']} prompts one at a time (batch 1) and {bs} at once; "
+           f"input {r['input_len']}, output {r['output_len']} tokens, greedy, fp32.", "",
+           "| system | batch 1 tok/s | batch " + str(bs) + " tok/s | greedy tokens identical to ours (no MTP) |",
+           "|---|---|---|---|"]
+    for name, v in r["ours"].items():
+        out.append(f"| mtpserve {name[5:]} | {v['batch1']['tokens_per_s']:.1f} | {v[f'batch{bs}']['tokens_per_s']:.1f} "
+                   f"| {'reference' if name == 'ours_no_mtp' else _yes(r['ours_mtp_tokens_equal_ours_no_mtp'], bs)} |")
+    hf = r["transformers"]
+    b1 = hf["hf_generate_batch1"]
+    bb = hf.get(f"hf_generate_batch{bs}", {})
+    out.append(f"| transformers generate | {b1['tokens_per_s']:.1f} | {_f(bb.get('tokens_per_s'), '{:.1f}')} | "
+               f"{_match(b1)}; batch {bs}: {_match(bb)} |")
+    m = hf.get("hf_generate_use_mtp_batch1", {})
+    if "tokens_per_s" in m:
+        out.append(f"| transformers generate(use_mtp=True) | {m['tokens_per_s']:.1f} | n/a (batch 1 only) | "
+                   f"{_match(m)} |")
+    elif m:
+        out.append(f"| transformers generate(use_mtp=True) | failed: {m.get('error')} | | |")
+    out += ["", "Ratios: " + ", ".join(f"{k} **{v:.2f}x**" for k, v in r["ratios"].items())]
+    return out
+
+
+def _yes(eq: dict | None, bs: int) -> str:
+    return "-" if not eq else f"batch 1: {'yes' if eq['batch1'] else 'NO'}, batch {bs}: {'yes' if eq['batch'] else 'NO'}"
+
+
+def _match(d: dict) -> str:
+    t = d.get("tokens_equal_ours") if d else None
+    return "-" if not t else f"{t['requests_identical']}/{t['requests_compared']}"
+
+
+def other_table(rec: dict) -> list[str]:
+    r = rec["results"]
+    out = [f"Command: `{rec['command']}`", ""]
+    if rec["benchmark"] == "throughput":
+        out.append(f"{r['num_prompts']} prompts: {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} "
+                   f"output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s; mean acceptance length "
+                   f"{r['spec']['mean_acceptance_length']:.2f}; peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (process), "
+                   f"weights {r['weight_bytes'] / 2**20:.1f} MiB, KV cache {r['kv_cache_bytes_per_token']} bytes/token "
+                   f"({r['kv_cache_allocated_bytes'] / 2**20:.1f} MiB allocated).")
+    elif rec["benchmark"] == "serve":
+        sd = r.get("spec_decode") or {}
+        out += ["Server: " + ("MTP speculation (drafts counted in its /metrics)" if sd.get("num_drafts")
+                              else "no speculation (no drafts counted in its /metrics)"), ""]
+        out.append(f"{r['successful_requests']} ok / {r['failed_requests']} failed in {r['duration_s']:.1f}s; "
+                   f"{r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s.")
+        out += ["", "| metric | mean ms | median ms | p99 ms |", "|---|---|---|---|"]
+        for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            out.append(f"| {k[:-3].upper()} | {_f(r[k]['mean'])} | {_f(r[k]['median'])} | {_f(r[k]['p99'])} |")
+        sd = r.get("spec_decode")
+        if sd and sd["num_drafts"]:
+            out += ["", f"Spec decode (from /metrics): acceptance rate {sd['acceptance_rate']:.3f}, mean acceptance "
+                        f"length {sd['mean_acceptance_length']:.2f}, per position "
+                        f"{[round(x, 3) for x in sd['acceptance_per_position']]}."]
+    elif rec["benchmark"] == "roofline":
+        b = r["bytes_per_step"]
+        out.append(f"{r['main_model_params'] / 1e6:.0f}M-parameter dense random model, fp32. Memory bandwidth "
+                   f"(best of 5): read {r['bandwidth']['read_gb_per_s']:.1f} GB/s, copy "
+                   f"{r['bandwidth']['copy_gb_per_s']:.1f} GB/s. Bytes per batch-1 decode step: weights "
+                   f"{b['weight_bytes'] / 1e6:.0f} MB + KV {b['kv_bytes'] / 1e6:.2f} MB. Bandwidth floor "
+                   f"**{r['bandwidth_floor_step_ms']:.1f} ms/step** vs measured **{r['measured_step_ms_median']:.1f} "
+                   f"ms/step** (median; min {r['measured_step_ms_min']:.1f}) = {100 * r['fraction_of_roofline']:.0f}% "
+                   f"of the roofline. {' '.join(r['notes'])}")
+    return out
+
+
+def targets(recs: list[dict]) -> list[str]:
+    """The issue targets, checked against the measured numbers (real acceptance only)."""
+    out = ["| target | measured | met? |", "|---|---|---|"]
+    lat = [r for r in recs if r["benchmark"] == "latency" and r.get("measurement_mode", "real") == "real"]
+    if lat:
+        rows = lat[0]["results"]["configs"]
+        b1 = [r for r in rows if r["batch_size"] == 1 and r["k"] and r["scorer"] == "mqa"]
+        k1 = next((r for r in b1 if r["k"] == 1), None)
+        if k1:
+            out.append(f"| batch 1: ITL(k=1) / ITL(no MTP) <= 1.25 | {k1['itl_ratio_vs_no_mtp']:.2f}x | "
+                       f"{'yes' if k1['itl_ratio_vs_no_mtp'] <= 1.25 else 'no'} |")
+            out.append(f"| batch 1: TPOT speedup k=1 >= 1.3x | {k1['tpot_speedup']:.2f}x | "
+                       f"{'yes' if k1['tpot_speedup'] >= 1.3 else 'no'} |")
+        if b1:
+            best = max(b1, key=lambda r: r["tpot_speedup"])
+            out.append(f"| batch 1: best k >= 1.5x | k={best['k']}: {best['tpot_speedup']:.2f}x | "
+                       f"{'yes' if best['tpot_speedup'] >= 1.5 else 'no'} |")
+        for bs in sorted({r["batch_size"] for r in rows}):
+            cand = [r for r in rows if r["batch_size"] == bs and r["k"]]
+            if cand:
+                best = max(cand, key=lambda r: r["tpot_speedup"])
+                out.append(f"| batch {bs}: does speculation pay? | best {best['name']}: {best['tpot_speedup']:.2f}x "
+                           f"TPOT | {'pays' if best['tpot_speedup'] > 1.0 else 'does not pay'} |")
+    for rec in recs:
+        if rec["benchmark"] == "peers":
+            r = rec["results"]
+            bs = r["batch_size"]
+            for name, want in ((f"ours_no_mtp_batch1_vs_hf_batch1", 3.0), (f"ours_no_mtp_batch{bs}_vs_hf_batch{bs}", 5.0)):
+                if name in r["ratios"]:
+                    v = r["ratios"][name]
+                    out.append(f"| {name} >= {want:.0f}x | {v:.2f}x | {'yes' if v >= want else 'no'} |")
+            for name, v in r["ratios"].items():
+                if name.startswith("ours_mtp") and name.endswith("vs_hf_batch1"):
+                    out.append(f"| {name} (>= 3x) | {v:.2f}x | {'yes' if v >= 3.0 else 'no'} |")
+    return out if len(out) > 2 else []
+
+
+def write_report(paths: list[str], out_path: str, plot_dir: str, intro: str | None = None) -> str:
+    recs = []
+    for p in paths:
+        with open(p) as f:
+            recs.append(json.load(f))
+    m = recs[0]["machine"]
+    v = recs[0]["versions"]
+    lines = ["# Benchmarks", "", "Generated by `mtpserve bench report` from the result JSON files "
+             f"({', '.join(os.path.basename(p) for p in paths)}). Machine: {m['cpu_count']} CPU cores "
+             f"({m['platform']}), no GPU, shared with other jobs; torch {v['torch']}, transformers "
+             f"{v['transformers']}. Runs are eager unless their section says graph mode (`--graph-mode`: compiled "
+             "fixed-shape decode steps). Ratios within one table come from one process run (configs interleaved).",
+             ""]
+    lines += [DEFINITIONS, "", "Regenerate this page: `mtpserve bench report --results "
+              + " ".join(paths) + f" --out {out_path} --plot-dir {plot_dir}`.", ""]
+    checked = targets(recs)
+    if checked:
+        lines += ["## Targets", ""] + checked + [""]
+    if intro:
+        lines += [intro, ""]
+    titles = dict(latency="Latency sweep (`bench latency`)", peers="Peers: transformers generate (`bench peers`)",
+                  throughput="Offline throughput (`bench throughput`)", serve="Serving (`bench serve`)",
+                  roofline="Roofline (`bench roofline`)")
+    for rec in recs:
+        kind = rec["benchmark"]
+        mode = "" if rec.get("measurement_mode", "real") == "real" else " — SYNTHETIC ACCEPTANCE (measurement mode)"
+        lines += [f"## {titles.get(kind, kind)}{mode}", ""]
+        if kind == "latency":
+            lines += latency_tables(rec)
+            real = rec.get("measurement_mode", "real") == "real"
+            names = plot_latency(rec, plot_dir, "bench_" if real else "bench_synthetic_")
+            rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(out_path)) or ".") for p in names]
+            lines += [""] + [f"![{os.path.basename(p)}]({p})" for p in rel]
+        elif kind == "peers":
+            lines += peers_table(rec)
+        else:
+            lines += other_table(rec)
+        lines.append("")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {out_path}")
+    return out_path

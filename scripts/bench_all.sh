@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Regenerates docs/BENCHMARKS.md: every benchmark on the shipped default model (one thread each, so that the
+# ratios are not distorted by two runs fighting over cores), results kept in docs/bench_results/.
+set -euxo pipefail
+cd "$(dirname "$0")/.."
+R=docs/bench_results
+mkdir -p $R
+B="mtpserve bench"
+$B latency --batch-sizes 1,8,32 --ks 0,1,2,3,4 --scorers mqa,batch_expansion --input-len 32 --output-len 64 \
+  --num-iters 3 --threads 1 --enforce-eager --output-json $R/latency.json --plot-dir docs
+$B latency --batch-sizes 1 --ks 0,1,2 --input-len 32 --output-len 64 --num-iters 3 --threads 1 --graph-mode \
+  --output-json $R/latency_graph.json
+$B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
+  --output-json $R/peers.json
+$B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
+  --output-json $R/throughput_no_mtp.json
+$B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
+  --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' --output-json $R/throughput_mtp_k2.json
+$B roofline --num-iters 2 --threads 1 --output-json $R/roofline.json
+# Measurement mode on the roofline's ~300M random model (bandwidth-bound decode): drafts pass at a fixed 0.8.
+$B latency --model runs/bench/roofline_model --ks 0,1,2,3 --batch-sizes 1,8 --synthetic-acceptance 0.8 \
+  --input-len 32 --output-len 48 --num-iters 2 --threads 1 --enforce-eager --output-json $R/latency_synthetic_300m.json
+for spec in none mtp_k2; do
+  extra=(); [ $spec = mtp_k2 ] && extra=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}')
+  OMP_NUM_THREADS=1 mtpserve serve --port 18123 --max-num-seqs 32 --enforce-eager "${extra[@]}" > /tmp/bench_server.log 2>&1 &
+  server=$!
+  for _ in $(seq 1 120); do curl -sf http://127.0.0.1:18123/health > /dev/null && break; sleep 0.5; done
+  $B serve --port 18123 --num-prompts 48 --input-len 32 --output-len 64 --request-rate 4 --max-concurrency 16 \
+    --output-json $R/serve_$spec.json
+  kill $server; wait $server || true
+done
+$B report --results $R/latency.json $R/latency_graph.json $R/peers.json $R/throughput_no_mtp.json \
+  $R/throughput_mtp_k2.json $R/serve_none.json $R/serve_mtp_k2.json $R/roofline.json $R/latency_synthetic_300m.json \
+  --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md

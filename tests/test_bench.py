@@ -1,0 +1,137 @@
+"""`mtpserve bench`: each command runs on a tiny random checkpoint and writes JSON with its fields; the metric
+arithmetic (TPOT without the first token, acceptance length, ITL from timestamps) on synthetic timings."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mtpserve.bench import common, serve
+from mtpserve.cli import main
+from mtpserve.model.checkpoint import write_random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("bench") / "tiny"), seed=0)
+
+
+def run_cli(argv, out):
+    main(argv + ["--output-json", str(out)])
+    with open(out) as f:
+        rec = json.load(f)
+    for key in ("command", "machine", "versions", "results"):
+        assert key in rec
+    assert rec["machine"]["cpu_count"] >= 1 and rec["versions"]["torch"]
+    return rec
+
+
+# ---- metric arithmetic on synthetic timings -----------------------------------------------------------
+def test_request_metrics_tpot_excludes_first_token_and_itl_from_timestamps():
+    # start at 10.0; first token at 10.5 (TTFT 0.5); then steps emitting 2, 1, 3 tokens
+    m = common.request_metrics(10.0, [(10.5, 1), (10.7, 3), (10.8, 4), (11.1, 7)])
+    assert m["ttft"] == pytest.approx(0.5) and m["e2e"] == pytest.approx(1.1)
+    assert m["tpot"] == pytest.approx((1.1 - 0.5) / 6)        # 6 tokens after the first
+    assert m["itls"] == pytest.approx([0.2, 0.1, 0.3])
+    assert m["num_tokens"] == 7
+    one = common.request_metrics(0.0, [(0.2, 1)])
+    assert one["tpot"] is None and one["itls"] == []
+
+
+def test_acceptance_stats():
+    s = common.acceptance_stats(num_drafts=10, num_draft_tokens=20, num_accepted=12, per_position=[8, 4])
+    assert s["acceptance_rate"] == pytest.approx(0.6)
+    assert s["mean_acceptance_length"] == pytest.approx(1 + 12 / 10)
+    assert s["acceptance_per_position"] == pytest.approx([0.8, 0.4])
+    assert common.acceptance_stats(0, 0, 0, [])["mean_acceptance_length"] == 1.0
+
+
+def test_summarize_and_prometheus_parsing():
+    s = common.summarize([0.001, 0.002, 0.003])
+    assert s["mean"] == pytest.approx(2.0) and s["median"] == pytest.approx(2.0) and s["p99"] == pytest.approx(3.0)
+    text = ('# TYPE mtpserve:spec_decode_num_drafts gauge\nmtpserve:spec_decode_num_drafts{model_name="m"} 10.0\n'
+            'mtpserve:spec_decode_num_draft_tokens{model_name="m"} 20.0\n'
+            'mtpserve:spec_decode_num_accepted_tokens{model_name="m"} 12.0\n'
+            'mtpserve:spec_decode_num_accepted_tokens_per_pos{model_name="m",position="0"} 8.0\n'
+            'mtpserve:spec_decode_num_accepted_tokens_per_pos{model_name="m",position="1"} 4.0\n')
+    after = serve.parse_metrics(text)
+    d = serve.spec_delta({}, after)
+    assert d["mean_acceptance_length"] == pytest.approx(2.2) and d["acceptance_per_position"] == [0.8, 0.4]
+
+
+# ---- the commands -------------------------------------------------------------------------------------
+def test_bench_latency(ckpt, tmp_path):
+    rec = run_cli(["bench", "latency", "--model", ckpt, "--batch-sizes", "1,2", "--ks", "0,2", "--scorers",
+                   "mqa,batch_expansion", "--input-len", "5", "--output-len", "5", "--num-iters", "1",
+                   "--plot-dir", str(tmp_path)], tmp_path / "lat.json")
+    rows = rec["results"]["configs"]
+    assert len(rows) == 2 * 3 and rec["measurement_mode"] == "real"
+    for r in rows:
+        for key in ("itl_ms", "tpot_ms", "output_tokens_per_s", "acceptance_rate", "mean_acceptance_length",
+                    "acceptance_per_position", "tpot_speedup"):
+            assert key in r
+        assert r["greedy_tokens_equal_no_mtp"] is True   # lossless: same greedy tokens as no MTP
+        assert len(r["acceptance_per_position"]) == r["k"]
+    assert rec["results"]["kv_cache_bytes_per_token"] > 0
+    assert sorted(os.listdir(tmp_path)).count("bench_speedup_vs_k.png") == 1
+
+
+def test_bench_latency_synthetic(ckpt, tmp_path):
+    rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,2", "--synthetic-acceptance", "1.0",
+                   "--input-len", "4", "--output-len", "7", "--num-iters", "1"], tmp_path / "syn.json")
+    assert rec["measurement_mode"].startswith("SYNTHETIC")
+    k2 = [r for r in rec["results"]["configs"] if r["k"] == 2][0]
+    assert k2["acceptance_rate"] == pytest.approx(1.0) and k2["mean_acceptance_length"] == pytest.approx(3.0)
+
+
+def test_bench_throughput_and_peers_and_report(ckpt, tmp_path):
+    tp = run_cli(["bench", "throughput", "--model", ckpt, "--num-prompts", "6", "--input-len", "5",
+                  "--output-len", "5"], tmp_path / "tp.json")
+    assert tp["results"]["requests_per_s"] > 0 and tp["results"]["num_output_tokens"] == 30
+    pe = run_cli(["bench", "peers", "--model", ckpt, "--num-prompts", "1", "--batch-size", "2", "--input-len", "5",
+                  "--output-len", "5", "--k", "1"], tmp_path / "peers.json")
+    hf = pe["results"]["transformers"]
+    assert hf["hf_generate_batch1"]["tokens_equal_ours"]["requests_identical"] == 1
+    assert "tokens_per_s" in hf["hf_generate_use_mtp_batch1"] or "error" in hf["hf_generate_use_mtp_batch1"]
+    assert pe["results"]["ours_mtp_tokens_equal_ours_no_mtp"] == {"batch1": True, "batch": True}
+    out = tmp_path / "BENCH.md"
+    main(["bench", "report", "--results", str(tmp_path / "tp.json"), str(tmp_path / "peers.json"),
+          "--out", str(out), "--plot-dir", str(tmp_path)])
+    assert "transformers generate" in out.read_text()
+
+
+def test_bench_serve(ckpt, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mtpserve.serve.openai_api", "--model", ckpt, "--port",
+                               str(port), "--served-model-name", "tiny", "--speculative-config",
+                               '{"method": "mtp", "num_speculative_tokens": 1}', "--max-num-seqs", "4",
+                               "--max-model-len", "128", "--num-kv-blocks", "64"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        try:
+            import httpx2 as httpx
+        except ImportError:
+            import httpx
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        rec = run_cli(["bench", "serve", "--port", str(port), "--model", ckpt, "--num-prompts", "4",
+                       "--input-len", "5", "--output-len", "6", "--request-rate", "50", "--max-concurrency", "3"],
+                      tmp_path / "serve.json")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    r = rec["results"]
+    assert r["successful_requests"] == 4 and r["failed_requests"] == 0
+    assert r["total_output_tokens"] == 24
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(r[key]) == {"mean", "median", "p99"}
+    assert r["spec_decode"]["num_drafts"] > 0
