@@ -25,10 +25,12 @@ for spec in none mtp_k2; do
   OMP_NUM_THREADS=1 mtpserve serve --port 18123 --max-num-seqs 32 --enforce-eager "${extra[@]}" > /tmp/bench_server.log 2>&1 &
   server=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:18123/health > /dev/null && break; sleep 0.5; done
-  $B serve --port 18123 --num-prompts 48 --input-len 32 --output-len 64 --request-rate 4 --max-concurrency 16 \
-    --output-json $R/serve_$spec.json
+  for c in 1 4 16; do
+    $B serve --port 18123 --num-prompts $((c * 4 > 16 ? c * 4 : 16)) --input-len 32 --output-len 64 \
+      --max-concurrency $c --output-json $R/serve_${spec}_c$c.json
+  done
   kill $server; wait $server || true
 done
 $B report --results $R/latency.json $R/latency_graph.json $R/peers.json $R/throughput_no_mtp.json \
-  $R/throughput_mtp_k2.json $R/serve_none.json $R/serve_mtp_k2.json $R/roofline.json $R/latency_synthetic_300m.json \
+  $R/throughput_mtp_k2.json $R/serve_none_c{1,4,16}.json $R/serve_mtp_k2_c{1,4,16}.json $R/roofline.json $R/latency_synthetic_300m.json \
   --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md

@@ -169,3 +169,14 @@ def test_mtp_output_index_equals_full_pass(random_ckpt):
         caches.append(cache)
     torch.testing.assert_close(outs[1], outs[0][[3, 5, 6]])
     torch.testing.assert_close(caches[1], caches[0])
+
+
+def test_synthetic_acceptance_rate_is_what_was_asked(random_ckpt):
+    """Measurement mode: each draft passes with the given probability, greedy requests included."""
+    spec = {"num_speculative_tokens": 2, "synthetic_acceptance": 0.5}
+    llm = LLM(random_ckpt, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[5, 6, 7]] * 16, sampling_params=params, use_tqdm=False)
+    m = llm.get_metrics()
+    first, second = (a / m["num_drafts"] for a in m["accepted_per_position"])
+    assert 0.4 < first < 0.6 and 0.15 < second < 0.35

@@ -137,9 +137,10 @@ class ModelRunner:
         target = self._target_probs(reqs, hidden[rows], [k + 1] * len(idx)).view(len(idx), k + 1, -1)
         gens = [r.generator for r in reqs]
         greedy = [r.params.greedy for r in reqs]
-        uniforms = draw(gens, (k,), "uniform", self.generator, self.device, greedy)
+        synthetic = self.spec.synthetic_acceptance is not None   # its coin flips are real even for greedy rows
+        uniforms = draw(gens, (k,), "uniform", self.generator, self.device, None if synthetic else greedy)
         noise = draw(gens, (k + 1, target.shape[-1]), "exponential", self.generator, self.device, greedy)
-        if self.spec.synthetic_acceptance is not None:
+        if synthetic:
             tokens, accepted = self._synthetic(drafts, target, uniforms, noise)
         else:
             draft_probs = None
