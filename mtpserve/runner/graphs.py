@@ -36,9 +36,11 @@ class GraphRunner:
     def padded_size(self, num_rows: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= num_rows), None)
 
-    def fits(self, rows: list[Row]) -> bool:
+    def fits(self, what: str, rows: list[Row]) -> bool:
+        """Rows fit a graph built at start-up: same query length everywhere and a batch size that pads to one
+        (a prefill batch of equal-length chunks does not: it runs eagerly, nothing is compiled mid-run)."""
         q = len(rows[0].token_ids)
-        return (self.padded_size(len(rows)) is not None and all(len(r.token_ids) == q for r in rows)
+        return ((what, self.padded_size(len(rows)), q) in self.graphs and all(len(r.token_ids) == q for r in rows)
                 and all(len(r.block_ids) <= self.max_blocks for r in rows))
 
     def run(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
