@@ -38,10 +38,10 @@ class MTPProposer:
             last.append(len(hidden_idx) - len(row_tokens) + valid - 1)
             if s.samples:
                 drafting.append(i)
-        if not drafting:   # prompt chunks only: the pass just fills the MTP cache
-            self.forward("mtp0", rows, hidden[hidden_idx], output_index=last)
+        out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=last)
+        if not drafting:   # prompt chunks only: the pass just filled the MTP cache
             return
-        prev_hidden = self.forward("mtp0", rows, hidden[hidden_idx], output_index=last)[drafting]
+        prev_hidden = out[drafting]
         reqs = [scheduled[i].req for i in drafting]
         token, probs = self._draft(0, prev_hidden, reqs)
         drafts, draft_probs = [token], [probs]
