@@ -1,6 +1,7 @@
 """Command line: mtpserve generate | serve | bench | train."""
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -82,6 +83,7 @@ def main(argv=None) -> None:
         pass
 
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args.func(args)
     except ValueError as e:

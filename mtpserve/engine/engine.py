@@ -1,4 +1,5 @@
 """The engine loop: schedule -> execute -> update (DESIGN.md section 2)."""
+import logging
 import os
 import time
 
@@ -13,6 +14,8 @@ from mtpserve.model.loader import load_model
 from mtpserve.runner.model_runner import ModelRunner
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.spec.metrics import SpecDecodeMetrics
+
+logger = logging.getLogger("mtpserve")
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -65,6 +68,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, spec, self.device, self.dtype, cfg.seed,
                                   cfg.graph_batch_sizes if self.use_graphs else None, self.max_model_len)
         self.graph_warmup_seconds = self.runner.warm_up_graphs()
+        if self.use_graphs:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+            logger.info("graph mode: %d graphs (batch sizes %s) built in %.1fs; compile cache %s",
+                        len(self.runner.graphs.graphs), cfg.graph_batch_sizes, self.graph_warmup_seconds, cache_dir())
         self.spec_metrics = SpecDecodeMetrics(k) if spec else None
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
