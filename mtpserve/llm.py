@@ -25,8 +25,8 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | None = None, sampling_params=None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs all prompts to completion; outputs come back in the order of the prompts. If one prompt is
-        bad (ValueError), nothing is left queued."""
+        """Runs all prompts to completion; outputs come back in the order of the prompts. If anything fails
+        (a bad prompt: ValueError), none of this call's requests stays queued; other callers' requests do."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if prompts is not None:   # strings, or vLLM-style {"prompt": ...} / {"prompt_token_ids": [...]} dicts
@@ -39,23 +39,26 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"sampling_params: {len(params)} given for {len(items)} prompts")
-        ids = []
-        try:
-            for (prompt, tokens), p in zip(items, params):
-                ids.append(str(next(self._ids)))
-                self.engine.add_request(ids[-1], prompt, tokens, p)
-        except ValueError:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params: expected SamplingParams (or a list of them, one per prompt)")
+        ids = [str(next(self._ids)) for _ in items]
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
-        while len(done) < len(ids):
-            if not self.engine.has_unfinished_requests():
-                raise RuntimeError(f"engine stopped with {len(ids) - len(done)} requests unfinished")
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            for rid, (prompt, tokens), p in zip(ids, items, params):
+                self.engine.add_request(rid, prompt, tokens, p)
+            bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+            wanted = set(ids)
+            while len(done) < len(ids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine stopped with {len(ids) - len(done)} requests unfinished")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            for rid in ids:   # nothing of this call stays queued, whatever went wrong
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
         return [done[i] for i in ids]

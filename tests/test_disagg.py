@@ -45,5 +45,12 @@ def test_disaggregated_equals_single_engine(ckpt, spec, params):
 def test_handoff_refused_when_engines_differ(ckpt):
     p = SamplingParams(temperature=0.0, max_tokens=5)
     handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 1}), "a", None, [3, 4, 5], p)
-    with pytest.raises(ValueError, match="KV caches"):
+    with pytest.raises(ValueError, match="handoff: .*(KV caches|num_speculative_tokens)"):
         add_prefilled(LLMEngine.from_kwargs(ckpt, None), handoff)
+
+
+def test_handoff_refused_when_k_differs(ckpt):
+    p = SamplingParams(temperature=0.0, max_tokens=5)
+    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 3}), "a", None, [3, 4, 5], p)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        add_prefilled(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2}), handoff)

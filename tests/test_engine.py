@@ -138,3 +138,14 @@ def test_abort_frees_blocks_and_many_requests_leak_nothing(ckpt):
             engine.abort_request("r0")
             engine.abort_request("r29")
     assert engine.block_manager.num_free_blocks == 40 and not engine.requests
+
+
+def test_failed_generate_leaves_nothing_behind(ckpt):
+    llm = LLM(ckpt)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(prompt_token_ids=[[1, 2], [3]], sampling_params=[GREEDY, {"temperature": 0}], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompt_token_ids=[[1, 2], []], sampling_params=GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 12

@@ -114,6 +114,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         stream = RequestStream(request_id, asyncio.get_running_loop(), self)
         with self._wake:
+            if self._stop:   # re-checked under the lock: shutdown may have drained the commands meanwhile
+                raise EngineDeadError("the engine loop is not running")
             if self.max_queue_len is not None and \
                     self.stats.get("num_waiting", 0) + self._pending_adds >= self.max_queue_len:
                 raise QueueFullError(f"{self.max_queue_len} requests are already waiting (--max-queue-len)")

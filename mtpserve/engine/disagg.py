@@ -56,6 +56,9 @@ def add_prefilled(engine: LLMEngine, h: PrefillHandoff) -> None:
         raise ValueError(f"handoff: request {h.request_id!r} already finished ({h.finish_reason}) at prefill")
     if len(engine.scheduler.running) >= engine.config.max_num_seqs:
         raise RuntimeError("decode engine: max_num_seqs requests are already running")
+    k = engine.config.speculative.num_speculative_tokens if engine.config.speculative else 0
+    if len(h.draft_token_ids) not in (0, k):
+        raise ValueError(f"handoff: {len(h.draft_token_ids)} drafts, this engine verifies num_speculative_tokens={k}")
     if len(h.kv) != len(engine.runner.kv_caches):
         raise ValueError(f"handoff: {len(h.kv)} KV caches, this engine has {len(engine.runner.kv_caches)} "
                          "(both engines need the same model and num_speculative_tokens)")

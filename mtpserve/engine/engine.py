@@ -59,6 +59,7 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens = {cfg.max_num_batched_tokens}: must be at least "
                              f"1 + num_speculative_tokens = {1 + k}")
         self.num_lookahead_slots = k   # MTP passes 1..k-1 write up to k-1 slots past the verified ones
+        self.max_step_overshoot = 2 * k + 1   # slots past the last token a step may need: k drafts + lookahead
         num_blocks = cfg.num_kv_blocks or self._kv_blocks_from_memory()
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -91,7 +92,7 @@ class LLMEngine:
             budget = torch.cuda.mem_get_info(self.device)[0] * cfg.kv_cache_memory_fraction
         else:
             budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cfg.kv_cache_memory_fraction
-        per_seq = -(-(self.max_model_len + self.num_lookahead_slots) // cfg.block_size)
+        per_seq = -(-(self.max_model_len + self.max_step_overshoot) // cfg.block_size)
         return max(per_seq, min(int(budget // bytes_per_block), per_seq * cfg.max_num_seqs))
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"max_tokens = {params.max_tokens}: prompt ({len(token_ids)} tokens) + max_tokens "
                              f"exceeds max_model_len = {self.max_model_len}")
-        slots = len(token_ids) + (params.max_tokens or room) + self.num_lookahead_slots
+        slots = len(token_ids) + (params.max_tokens or room) + self.max_step_overshoot
         if -(-slots // self.config.block_size) > self.block_manager.num_blocks:
             raise ValueError(f"max_tokens: prompt + max_tokens ({slots} KV slots with lookahead) would not fit in "
                              f"the KV cache ({self.block_manager.num_blocks} blocks of {self.config.block_size})")
