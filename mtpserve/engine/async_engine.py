@@ -158,17 +158,19 @@ class AsyncEngine:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+            added = 0   # adds that entered the engine: they stop counting as pending at the next refresh
             try:
                 for command in commands:
-                    self._handle(command)
+                    added += self._handle(command) is True
                 if self.engine.has_unfinished_requests():
-                    self._step()
+                    self._step(added)
+                    added = 0
                 elif self._streams:   # the engine dropped requests without a final output
                     self._fail_all(EngineError("the engine dropped the request"), abort=False)
             except Exception as e:   # never let the loop die
                 logger.exception("engine loop iteration failed")
                 self._fail_all(EngineError(f"engine failure: {type(e).__name__}: {e}"))
-            self._refresh(sum(c[0] == "add" for c in commands))
+            self._refresh(added)
         dead = EngineDeadError("the engine was shut down")
         self._fail_all(dead, abort=False)
         with self._wake:
@@ -194,10 +196,13 @@ class AsyncEngine:
                     raise ValueError(f"request_id {rid!r} is already running")
                 self.engine.add_request(rid, prompt, ids, params)
             except Exception as e:   # ValueError naming the field, or anything else from the engine
+                with self._wake:     # refused: no longer pending, before the caller can hear about it
+                    self._pending_adds -= 1
                 stream.put(e if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}"))
-                return
+                return False
             self._streams[rid] = stream
             stream.put(_ADDED)
+            return True
         elif command[0] == "abort":
             rid = command[1]
             if self._streams.pop(rid, None) is not None:
@@ -208,15 +213,16 @@ class AsyncEngine:
                 except Exception:
                     logger.exception("abort_request(%r) failed", rid)
 
-    def _step(self) -> None:
+    def _step(self, num_adds: int) -> None:
         try:
             outputs = self.engine.step()
         except Exception as e:
+            self._refresh(num_adds)
             self.num_step_errors += 1
             logger.exception("engine step failed; failing the %d requests in the engine", len(self._streams))
             self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
             return
-        self._refresh(0)   # consumers that see a finished output then see its KV blocks freed
+        self._refresh(num_adds)   # before delivery: a consumer that sees an output sees the stats after it
         if self.on_outputs is not None and outputs:   # before the consumers see them
             try:
                 self.on_outputs(outputs, time.monotonic())
