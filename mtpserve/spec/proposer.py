@@ -3,10 +3,12 @@
 Pass 0 runs MTP layer 0 over every position whose main-model hidden state was computed this step and whose
 next token is now known (a prompt chunk; or the pending token plus the accepted drafts), with the tokens
 shifted by one. That fills the MTP KV cache exactly where the main cache is valid, and its output at the
-last position gives draft 1. Passes 1..k-1 run one token each, at the next position, fed draft j and the
-previous pass's output hidden state; pass j uses MTP layer j if the checkpoint has it, else layer 0
-(DeepSeek-V3 ships one layer, so all passes share it and its cache). Slots written past the accepted length
-are never read before being overwritten.
+last position gives draft 1. Pass j uses MTP layer j if the checkpoint has it, else layer 0. A shared layer
+(DeepSeek-V3 ships one, so all passes share it and its cache) runs one token at the next position, fed draft j
+and the previous pass's output hidden state. A layer of its own runs as it was trained: over the same
+positions as pass 0, fed the previous depth's outputs there and the tokens shifted by j+1 (the last one being
+draft j), which also fills its own cache where it belongs. Slots written past the accepted length are never
+read before being overwritten.
 """
 import torch
 
@@ -38,21 +40,38 @@ class MTPProposer:
             last.append(len(hidden_idx) - len(row_tokens) + valid - 1)
             if s.samples:
                 drafting.append(i)
-        out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=last)
+        # A checkpoint with its own layer for depth j+1 runs it as trained: over the same positions as depth 1,
+        # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
+        chain = not static and min(k, self.model.num_mtp_layers) > 1
+        out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=None if chain else last)
         if not drafting:   # prompt chunks only: the pass just filled the MTP cache
             return
-        prev_hidden = out[drafting]
+        prev_hidden = out[[last[i] for i in drafting]] if chain else out[drafting]
         reqs = [scheduled[i].req for i in drafting]
         token, probs = self._draft(0, prev_hidden, reqs)
         drafts, draft_probs = [token], [probs]
         next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
                     for i in drafting]
+        if chain:
+            chain_rows = [rows[i] for i in drafting]
+            sizes = [len(r.token_ids) for r in chain_rows]
+            ends = torch.tensor(sizes).cumsum(0)
+            chain_last = (ends - 1).tolist()
+            chain_hidden = out[[t for i, n in zip(drafting, sizes) for t in range(last[i] - n + 1, last[i] + 1)]]
+            known = [scheduled[i].req.all_token_ids + results[i].new_token_ids for i in drafting]
         num_layers = self.model.num_mtp_layers
         for j in range(1, k):
             layer = j if j < num_layers else 0
-            step_rows = [Row([t], p, scheduled[i].req.block_ids)
-                         for i, t, p in zip(drafting, drafts[-1].tolist(), next_pos)]
-            prev_hidden = self.forward(f"mtp{layer}", step_rows, prev_hidden)
+            if chain and layer == j:   # depth j+1 at position p: embedding of t[p+j+1], depth j's output at p
+                known = [t + [d] for t, d in zip(known, drafts[-1].tolist())]
+                step_rows = [Row(t[r.start + 1 + j:r.start + 1 + j + len(r.token_ids)], r.start, r.block_ids)
+                             for t, r in zip(known, chain_rows)]
+                chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
+                prev_hidden = chain_hidden[chain_last]
+            else:   # a shared layer: one token at the next position, fed the previous pass's last output
+                step_rows = [Row([t], p, scheduled[i].req.block_ids)
+                             for i, t, p in zip(drafting, drafts[-1].tolist(), next_pos)]
+                prev_hidden = self.forward(f"mtp{layer}", step_rows, prev_hidden)
             token, probs = self._draft(layer, prev_hidden, reqs)
             drafts.append(token)
             draft_probs.append(probs)
