@@ -67,7 +67,8 @@ class LLMEngine:
         eager = cfg.enforce_eager if cfg.enforce_eager is not None else self.device.type != "cuda"
         self.use_graphs = not eager
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, spec, self.device, self.dtype, cfg.seed,
-                                  cfg.graph_batch_sizes if self.use_graphs else None, self.max_model_len)
+                                  cfg.graph_batch_sizes if self.use_graphs else None,
+                                  self.max_model_len + self.max_step_overshoot)
         self.graph_warmup_seconds = self.runner.warm_up_graphs()
         if self.use_graphs:
             from torch._inductor.runtime.cache_dir_utils import cache_dir

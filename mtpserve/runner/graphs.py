@@ -19,11 +19,11 @@ from mtpserve.runner.batch import Row
 
 class GraphRunner:
     def __init__(self, model, main_caches, mtp_caches, batch_sizes: list[int], block_size: int,
-                 max_model_len: int, device):
+                 max_span: int, device):
         self.model, self.main_caches, self.mtp_caches = model, main_caches, mtp_caches
         self.batch_sizes = sorted(batch_sizes)
         self.block_size, self.device = block_size, device
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = -(-max_span // block_size)
         self.graphs: dict[tuple, tuple] = {}    # (what, batch, query_len) -> (compiled fn, static buffers)
         self.compile_seconds = 0.0
         mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
@@ -55,7 +55,8 @@ class GraphRunner:
         slots = tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
         self._fill(buf, n, q, torch.tensor([r.token_ids for r in rows]).flatten(), positions.flatten(),
                    torch.tensor([r.start + q for r in rows]), slots.flatten(), tables, prev_hidden)
-        return fn(*buf)[:n * q]
+        # a copy: a CUDA graph's output memory is overwritten by its next replay
+        return fn(*buf)[:n * q].clone()
 
     def _fill(self, buf, n, q, input_ids, positions, seq_lens, slots, tables, prev_hidden):
         ids_b, pos_b, seq_b, slot_b, table_b, hid_b = buf

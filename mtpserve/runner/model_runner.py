@@ -33,7 +33,8 @@ def stack_draft_probs(reqs, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
-                 max_model_len: int = 0):
+                 max_span: int = 0):
+        """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot)."""
         cfg = model.config
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
         num_mtp_caches = max(1, min(cfg.num_nextn_predict_layers, spec.num_speculative_tokens)) if spec else 0
@@ -45,10 +46,8 @@ class ModelRunner:
         self.mtp_caches = self.kv_caches[cfg.num_hidden_layers:]
         self.graphs = None
         if graph_batch_sizes:
-            # rows may reach max_model_len plus the draft passes' lookahead
-            span = max_model_len + 2 * (spec.num_speculative_tokens if spec else 0)
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
-                                      span, device)
+                                      max_span, device)
         self.proposer = None
         if spec is not None:
             self.proposer = MTPProposer(model, spec, self.forward, self.generator, device)
@@ -111,15 +110,15 @@ class ModelRunner:
         if not idx:
             return
         reqs = [scheduled[i].req for i in idx]
+        last_hidden = hidden[[offsets[i + 1] - 1 for i in idx]]
         if all(r.params.greedy for r in reqs):   # no distribution needed: the argmax is the sample
-            tokens = self.model.compute_logits(hidden[[offsets[i + 1] - 1 for i in idx]]).argmax(-1)
-            for i, token in zip(idx, tokens.tolist()):
-                results[i].new_token_ids = [token]
-            return
-        probs = self._target_probs(reqs, hidden[[offsets[i + 1] - 1 for i in idx]], None)
-        noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device,
-                     [r.params.greedy for r in reqs])
-        for i, token in zip(idx, sample(probs, noise).tolist()):
+            tokens = self.model.compute_logits(last_hidden).argmax(-1)
+        else:
+            probs = self._target_probs(reqs, last_hidden, None)
+            noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator,
+                         self.device, [r.params.greedy for r in reqs])
+            tokens = sample(probs, noise)
+        for i, token in zip(idx, tokens.tolist()):
             results[i].new_token_ids = [token]
 
     def _verify(self, idx, scheduled, hidden, offsets, results):
