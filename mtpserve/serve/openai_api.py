@@ -25,6 +25,16 @@ from mtpserve.serve.protocol import APIError
 logger = logging.getLogger(__name__)
 
 
+async def _first_of(*tasks: asyncio.Future) -> None:
+    """Waits until one task ends (the work, or the client going away), then cancels and reaps them all."""
+    try:
+        await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class EngineStreamingResponse(StreamingResponse):
     """A StreamingResponse that stops its body (aborting the engine requests) as soon as the client
     disconnects, even while no chunk is being sent."""
@@ -33,11 +43,8 @@ class EngineStreamingResponse(StreamingResponse):
         sending = asyncio.ensure_future(self.stream_response(send))
         watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
-            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+            await _first_of(sending, watching)
         finally:
-            for task in (sending, watching):
-                task.cancel()
-            await asyncio.gather(sending, watching, return_exceptions=True)
             await self.body_iterator.aclose()
         if not sending.cancelled() and sending.exception() is not None and \
                 not isinstance(sending.exception(), OSError):
@@ -149,11 +156,8 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
         collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat))
         watching = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
-            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+            await _first_of(collecting, watching)
         finally:
-            for task in (collecting, watching):
-                task.cancel()
-            await asyncio.gather(collecting, watching, return_exceptions=True)
             for s in streams:
                 s.abort()
         if not collecting.done() or collecting.cancelled():
