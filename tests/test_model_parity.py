@@ -244,3 +244,34 @@ def test_rope_interleave_false_is_refused_or_exact(tmp_path, load_hf):
     path = save_with_transformers(str(tmp_path / "ckpt"), cfg, seed=1)
     hf, _ = load_hf(path)
     assert_same_logits(load_model(path, dtype=torch.float32), hf, cfg["vocab_size"], seed=11)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_for_inference_equals_unfused(name, tmp_path):
+    """fuse_for_inference (shared-input projections as one GEMM, stacked experts, bmm-ready absorbed
+    weights) changes no output, for one token (the single-token expert path) and for many, MTP included;
+    its parameters keep their names and values and share the fused storage."""
+    cfg = make_config(**CONFIGS[name])
+    path = write_random_checkpoint(str(tmp_path), seed=4, **cfg)
+    rerandomize(path, seed=4)
+    plain, fused = load_model(path), load_model(path).fuse_for_inference()
+    before = plain.state_dict()
+    after = fused.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    gen = torch.Generator().manual_seed(6)
+    for length in (1, 9):
+        ids = torch.randint(0, cfg["vocab_size"], (2, length), generator=gen)
+        with torch.no_grad():
+            for model in (plain, fused):
+                model.set_attention_mode("absorbed")
+            h_plain, h_fused = plain.forward_dense(ids[:1]), fused.forward_dense(ids[:1])
+            assert max_diff(plain.compute_logits(h_plain), fused.compute_logits(h_fused)) < TOL
+            h_plain, h_fused = plain.forward_dense(ids), fused.forward_dense(ids)
+            assert max_diff(plain.compute_logits(h_plain), fused.compute_logits(h_fused)) < TOL
+            if plain.num_mtp_layers:
+                m_plain = plain.mtp_forward_dense(0, ids, h_plain)
+                m_fused = fused.mtp_forward_dense(0, ids, h_fused)
+                assert max_diff(plain.mtp_logits(0, m_plain), fused.mtp_logits(0, m_fused)) < TOL
+    moe = [m for m in fused.modules() if type(m).__name__ == "MoE"]
+    for m in moe:   # the experts' parameters are views of the stacked tensors, not copies
+        assert m.experts[0].gate_proj.weight.data_ptr() == m.w13.data_ptr()

@@ -48,7 +48,7 @@ class LLMEngine:
             raise ValueError("speculative_config: method 'mtp' needs a checkpoint with MTP layers "
                              "(num_nextn_predict_layers = 0 in its config.json)")
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
-        self.model = load_model(path, self.dtype, self.device, self.model_config).eval()
+        self.model = load_model(path, self.dtype, self.device, self.model_config).eval().fuse_for_inference()
         self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(path)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)

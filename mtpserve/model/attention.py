@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
-from mtpserve.model.layers import RMSNorm, RotaryEmbedding, softmax_scale
+from mtpserve.model.layers import RMSNorm, RotaryEmbedding, share_storage, softmax_scale
 
 ABSORB_MAX_QUERY_LEN = 8  # "auto" uses the absorbed form up to this many query tokens per request
 
@@ -93,25 +93,54 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
         self.mode = "auto"       # "auto" | "absorbed" | "expanded"
+        # set by fuse() for inference: the two projections of x as one GEMM; W_UK, W_UV laid out for bmm
+        self.x_proj: torch.Tensor | None = None
+        self.w_uk: torch.Tensor | None = None     # [H, nope, r]
+        self.w_uv_t: torch.Tensor | None = None   # [H, r, v]
 
-    def latent_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def fuse(self) -> None:
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if first.bias is None and self.kv_a_proj_with_mqa.bias is None:
+            self.x_proj = share_storage([first, self.kv_a_proj_with_mqa])
+        w_uk, w_uv = self._absorbed_weights()
+        self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w_kv[:, :self.nope_dim], w_kv[:, self.nope_dim:]
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x -> (queries [N, H * qk_head_dim], kv_a output [N, r + rope])."""
+        if self.x_proj is not None:
+            q, kv_a = F.linear(x, self.x_proj).split([self.x_proj.shape[0] - self.kv_a_proj_with_mqa.weight.shape[0],
+                                                       self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
+        else:
+            q = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, kv_a
+
+    def latent_kv(self, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What the cache keeps per token: the normalized latent and the rotated shared rope key."""
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(latent), self.rotary[0](positions, k_pe)], dim=-1)
 
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
-        kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = self.latent_kv(x, positions).to(kv_cache.dtype)
+        kv = self.latent_kv(self.kv_a_proj_with_mqa(x), positions)
+        kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = kv.to(kv_cache.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
         """x: [N, hidden] flat tokens. kv_cache None: keys are this batch's own tokens (dense batches)."""
         n = x.shape[0]
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv_a = self._project(x)
         q = q.view(n, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.rotary[0](positions, q_pe)
-        kv_new = self.latent_kv(x, positions)
+        kv_new = self.latent_kv(kv_a, positions)
 
         batch = meta.seq_lens.shape[0]
         if kv_cache is None:
@@ -120,7 +149,9 @@ class MLAttention(nn.Module):
             flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
             flat_cache[meta.slot_mapping] = kv_new.to(kv_cache.dtype)
             num_blocks = -(-meta.max_seq_len // kv_cache.shape[1])
-            keys = kv_cache[meta.block_tables[:, :num_blocks]].flatten(1, 2)[:, :meta.max_seq_len].to(x.dtype)
+            tables = meta.block_tables[:, :num_blocks]
+            keys = kv_cache.index_select(0, tables.flatten()).view(batch, -1, kv_cache.shape[-1])
+            keys = keys[:, :meta.max_seq_len].to(x.dtype)
 
         uniform = n == batch * meta.max_query_len   # every row has max_query_len tokens: a plain view
 
@@ -136,11 +167,9 @@ class MLAttention(nn.Module):
             return t.reshape(n, *t.shape[2:]) if uniform else t[meta.token_row, meta.token_col]
 
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and meta.max_query_len <= ABSORB_MAX_QUERY_LEN)
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w_kv[:, :self.nope_dim], w_kv[:, self.nope_dim:]
         c, k_rope = keys[..., :self.kv_lora_rank], keys[..., self.kv_lora_rank:]
         if absorbed:
-            q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+            q_latent = self._absorb_queries(q_nope)
             query = to_padded(torch.cat([q_latent, q_pe], dim=-1))           # [B, H, max_q, r + rope]
             # One latent key/value per token, shared by every head: heads become extra query rows (MQA).
             rows = query.reshape(batch, -1, query.shape[-1])
@@ -148,7 +177,7 @@ class MLAttention(nn.Module):
             mask = meta.mask.expand(-1, self.num_heads, -1, -1).reshape(batch, -1, scores.shape[-1])
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(c.dtype)
             out = torch.bmm(probs, c).view(batch, self.num_heads, meta.max_query_len, -1)
-            out = torch.einsum("nhr,hvr->nhv", from_padded(out), w_uv)
+            out = self._absorb_values(from_padded(out))
         else:
             kv = F.linear(c, self.kv_b_proj.weight).view(batch, -1, self.num_heads, self.nope_dim + self.v_dim)
             k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -158,3 +187,13 @@ class MLAttention(nn.Module):
                                                  attn_mask=meta.mask, scale=self.scale)
             out = from_padded(out)                                                # [N, H, v]
         return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
+
+    def _absorb_queries(self, q_nope: torch.Tensor) -> torch.Tensor:   # [N, H, nope] -> [N, H, r]
+        if self.w_uk is None:
+            return torch.einsum("nhd,hdr->nhr", q_nope, self._absorbed_weights()[0])
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+
+    def _absorb_values(self, out: torch.Tensor) -> torch.Tensor:       # [N, H, r] -> [N, H, v]
+        if self.w_uv_t is None:
+            return torch.einsum("nhr,hvr->nhv", out, self._absorbed_weights()[1])
+        return torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)

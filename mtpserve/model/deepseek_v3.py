@@ -81,6 +81,14 @@ class DeepseekV3ForCausalLM(nn.Module):
     def num_mtp_layers(self) -> int:
         return len(self.mtp_layers)
 
+    def fuse_for_inference(self) -> "DeepseekV3ForCausalLM":
+        """Fewer, larger GEMMs: projections of the same input share one weight, experts are stacked. The
+        parameters become views of the fused tensors (same names and values), so this is for inference only."""
+        for name, m in self.named_modules():
+            if hasattr(m, "fuse") and ".experts." not in name:   # MoE.fuse stacks its experts itself
+                m.fuse()
+        return self
+
     def set_attention_mode(self, mode: str) -> None:
         if mode not in ("auto", "absorbed", "expanded"):
             raise ValueError(f"attention mode {mode!r}: must be 'auto', 'absorbed' or 'expanded'")

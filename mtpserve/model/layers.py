@@ -25,9 +25,34 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None   # set by fuse(): one GEMM instead of two
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(F.linear(x, self.gate_up)))
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Inference only: gate and up weights become two views of one [2I, H] tensor."""
+        self.gate_up = share_storage([self.gate_proj, self.up_proj])
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def share_storage(linears: list[nn.Linear], dim: int = 0) -> torch.Tensor:
+    """Concatenates the linears' weights along `dim` and makes each weight a view of the result (the state
+    dict keeps its names and no memory is duplicated). For inference: the views are not trained."""
+    fused = torch.cat([m.weight.detach() for m in linears], dim=dim)
+    start = 0
+    for m in linears:
+        size = m.weight.shape[dim]
+        m.weight = nn.Parameter(fused.narrow(dim, start, size), requires_grad=False)
+        start += size
+    return fused
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
-from mtpserve.model.layers import MLP
+from mtpserve.model.layers import MLP, silu_and_mul
 
 
 class Gate(nn.Module):
@@ -54,31 +54,73 @@ class MoE(nn.Module):
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.w13: torch.Tensor | None = None   # stacked expert weights, set by fuse()
+        self.w2: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-        if torch.compiler.is_compiling():
-            return out + self._all_experts(x, weights, ids)
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort()
-        token_of = order // ids.shape[1]
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                chosen = order[start:start + count]
-                rows = token_of[start:start + count]
-                y = expert(x[rows]) * weights.flatten()[chosen].unsqueeze(-1)
-                out = out.index_add(0, rows, y)
-                start += count
-        return out
+        if self.w13 is None:   # unfused (training): the per-expert modules
+            w13 = [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
+            return out + _hit_experts(x, weights, ids, w13, [e.down_proj.weight for e in self.experts])
+        if not torch.compiler.is_compiling():
+            return out + _hit_experts(x, weights, ids, self.w13, self.w2)
+        if x.device.type == "cuda":   # a CUDA graph cannot hold a host-side loop over the experts hit
+            return out + _all_experts(x, weights, ids, self.w13, self.w2)
+        return out + routed_experts(x, weights, ids, self.w13, self.w2)
 
-    def _all_experts(self, x, weights, ids):
-        """Graph-mode form with no data-dependent shapes: every expert runs on every token and is weighted
-        by its (mostly zero) routing weight. E/k times the expert FLOPs: meant for small expert counts."""
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device).scatter(1, ids, weights)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out = out + expert(x) * dense[:, e:e + 1]
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Inference only: every expert's weights become views of two stacked tensors [E, 2I, H] and
+        [E, H, I] (the state dict keeps its names), and gate/up run as one GEMM."""
+        self.w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+        self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        inter = self.w2.shape[-1]
+        for i, e in enumerate(self.experts):
+            e.gate_proj.weight = nn.Parameter(self.w13[i, :inter], requires_grad=False)
+            e.up_proj.weight = nn.Parameter(self.w13[i, inter:], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(self.w2[i], requires_grad=False)
+
+
+def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
+    """Runs each expert that some token chose on those tokens only, weighted by its routing weight."""
+    if x.shape[0] == 1:   # one token (batch-1 decode): no grouping needed
+        out = None
+        for j, expert in enumerate(ids[0].tolist()):
+            y = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert]) * weights[:, j:j + 1]
+            out = y if out is None else out + y
         return out
+    flat_ids = ids.flatten()
+    order = flat_ids.argsort()
+    token_of = order // ids.shape[1]
+    flat_weights = weights.flatten()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat_ids, minlength=len(w13)).tolist()):
+        if count:
+            chosen = order[start:start + count]
+            rows = token_of[start:start + count]
+            y = F.linear(silu_and_mul(F.linear(x[rows], w13[expert])), w2[expert])
+            out.index_add_(0, rows, y * flat_weights[chosen].unsqueeze(-1))
+            start += count
+    return out
+
+
+@torch.library.custom_op("mtpserve::routed_experts", mutates_args=())
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """The hit-experts loop as one opaque op, so CPU graphs (inductor) run only the experts chosen."""
+    return _hit_experts(x, weights, ids, w13, w2)
+
+
+@routed_experts.register_fake
+def _(x, weights, ids, w13, w2):
+    return torch.empty_like(x)
+
+
+def _all_experts(x, weights, ids, w13, w2) -> torch.Tensor:
+    """Graph form with no data-dependent shapes: every expert runs on every token, weighted by its (mostly
+    zero) routing weight. E/k times the expert FLOPs: meant for small expert counts."""
+    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+    hidden = silu_and_mul(torch.matmul(x, w13.transpose(1, 2)))          # [E, N, I]
+    return torch.einsum("enh,ne->nh", torch.matmul(hidden, w2.transpose(1, 2)), dense)

@@ -2,11 +2,13 @@
 
 A step is uniform when every row has the same number of query tokens (1 without speculation, 1+k with it).
 Its batch is padded to the next of `graph_batch_sizes`; padding rows have KV length 0 and slot -1, so they
-never read or write real KV, and their outputs are dropped. Every graph attends over a block table as wide
-as max_model_len, so one graph per (what, batch size, query length) covers every step. Inputs are copied into
-static buffers. On CUDA the compiled step is captured as a CUDA graph (torch.compile "reduce-overhead"); on
-the CPU it is an inductor-compiled kernel. Anything else (prefill chunks, batches above the largest size)
-runs eagerly in the same loop.
+never read or write real KV, and their outputs are dropped. The block table is cut to a power-of-two number
+of blocks that covers the longest row (the KV bucket), a dimension the graphs treat as dynamic: one compiled
+graph per (what, batch size, query length) serves every KV length, and attention reads only the bucket, not
+all of max_model_len. Inputs are copied into static buffers. On CUDA the compiled step is captured as CUDA
+graphs (torch.compile "reduce-overhead"; one per KV bucket, recorded at warm-up); on the CPU it is an
+inductor-compiled kernel. Anything else (prefill chunks, batches above the largest size) runs eagerly in the
+same loop.
 """
 import time
 
@@ -48,15 +50,32 @@ class GraphRunner:
         n, q = len(rows), len(rows[0].token_ids)
         batch = self.padded_size(n)
         fn, buf = self._graph(what, batch, q)
-        positions = torch.arange(q) + torch.tensor([r.start for r in rows]).unsqueeze(1)
-        tables = torch.zeros(n, self.max_blocks, dtype=torch.long)
+        starts = [r.start for r in rows]
+        bucket = self.kv_bucket(max(starts) + q)
+        positions = torch.arange(q) + torch.tensor(starts).unsqueeze(1)
+        tables = torch.zeros(n, bucket, dtype=torch.long)
         for i, r in enumerate(rows):
-            tables[i, :len(r.block_ids)] = torch.tensor(r.block_ids)
+            ids = r.block_ids[:bucket]
+            tables[i, :len(ids)] = torch.tensor(ids)
         slots = tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
         self._fill(buf, n, q, torch.tensor([r.token_ids for r in rows]).flatten(), positions.flatten(),
-                   torch.tensor([r.start + q for r in rows]), slots.flatten(), tables, prev_hidden)
-        # a copy: a CUDA graph's output memory is overwritten by its next replay
-        return fn(*buf)[:n * q].clone()
+                   torch.tensor([s + q for s in starts]), slots.flatten(), tables, prev_hidden)
+        # Every graph was built at warm-up and the buffers never change: only the guards that tell the graphs
+        # apart need checking (the full guard set costs more than a small model's whole step on the CPU).
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            out = fn(*self._inputs(buf, bucket))
+        return out[:n * q].clone()   # a copy: a CUDA graph's output memory is overwritten by its next replay
+
+    def kv_bucket(self, kv_len: int) -> int:
+        """Blocks in the table a graph sees: the next power of two (at least 2) covering kv_len tokens."""
+        blocks = -(-kv_len // self.block_size)
+        return min(max(2, 1 << (blocks - 1).bit_length()), self.max_blocks)
+
+    @staticmethod
+    def _inputs(buf, bucket: int) -> list:
+        table = buf[4][:, :bucket]
+        torch._dynamo.mark_dynamic(table, 1)   # one graph for every KV bucket
+        return buf[:4] + [table] + buf[5:]
 
     def _fill(self, buf, n, q, input_ids, positions, seq_lens, slots, tables, prev_hidden):
         ids_b, pos_b, seq_b, slot_b, table_b, hid_b = buf
@@ -68,8 +87,8 @@ class GraphRunner:
         pos_b[:n * q].copy_(positions)
         seq_b[:n].copy_(seq_lens)
         slot_b[:n * q].copy_(slots)
-        table_b[:n].copy_(tables)
-        table_b[n:].zero_()
+        table_b.zero_()
+        table_b[:n, :tables.shape[1]].copy_(tables)
         if hid_b is not None:
             hid_b[:n * q].copy_(prev_hidden)
 
@@ -86,11 +105,11 @@ class GraphRunner:
                torch.zeros(batch, self.max_blocks, dtype=torch.long, device=dev),
                None if what == "main" else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev)]
         query_start_loc = torch.arange(batch + 1, device=dev) * q
-        max_seq_len = self.max_blocks * self.block_size
         model, main_caches, mtp_caches = self.model, self.main_caches, self.mtp_caches
         layer = None if what == "main" else int(what.removeprefix("mtp"))
 
         def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden):
+            max_seq_len = block_tables.shape[1] * self.block_size
             meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
             if layer is None:
                 return model(input_ids, positions, meta, main_caches)
@@ -98,9 +117,14 @@ class GraphRunner:
 
         fn = self._compile(step)
         start = time.perf_counter()
+        # compile (and on CUDA capture every KV bucket) now, with padding rows only: no real KV is touched
+        buckets = sorted({self.kv_bucket(n * self.block_size) for n in range(1, self.max_blocks + 1)})
+        if torch.device(dev).type != "cuda":
+            buckets = buckets[:1]   # the CPU kernel is compiled for any bucket
         with torch.inference_mode():
-            fn(*buf)          # compile (and capture) now, with padding rows only: no real KV is touched
-            fn(*buf)
+            for bucket in buckets:
+                fn(*self._inputs(buf, bucket))
+                fn(*self._inputs(buf, bucket))
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
 
