@@ -27,7 +27,8 @@ ABSORB_MAX_QUERY_LEN = 8  # "auto" uses the absorbed form up to this many query 
 class AttentionMetadata:
     query_start_loc: torch.Tensor   # [B+1] cumulative query lengths
     seq_lens: torch.Tensor          # [B] KV length of each request after this step
-    slot_mapping: torch.Tensor      # [N] cache slot (block * block_size + offset) of each query token; -1: drop
+    slot_mapping: torch.Tensor | None   # [N] cache slot (block * block_size + offset) of each query token; -1:
+                                        # drop; None: this batch's KV is in the cache already
     block_tables: torch.Tensor      # [B, max_blocks] physical block ids
     max_query_len: int
     max_seq_len: int
@@ -38,10 +39,10 @@ class AttentionMetadata:
 
     def select(self, index: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":
         """Metadata for one query token per request (`index`: one flat token index per request), attending
-        to the same KV; causality comes from the positions."""
+        to the same KV, which the caller has written already; causality comes from the positions."""
         batch = self.seq_lens.shape[0]
         meta = AttentionMetadata(torch.arange(batch + 1, device=index.device), self.seq_lens,
-                                 self.slot_mapping[index], self.block_tables, 1, self.max_seq_len)
+                                 None, self.block_tables, 1, self.max_seq_len)
         return meta.prepare(positions[index])
 
     def prepare(self, positions: torch.Tensor) -> "AttentionMetadata":
@@ -146,8 +147,8 @@ class MLAttention(nn.Module):
         if kv_cache is None:
             keys = kv_new.view(batch, meta.max_seq_len, -1)
         else:
-            flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
-            flat_cache[meta.slot_mapping] = kv_new.to(kv_cache.dtype)
+            if meta.slot_mapping is not None:
+                kv_cache.view(-1, kv_cache.shape[-1])[meta.slot_mapping] = kv_new.to(kv_cache.dtype)
             num_blocks = -(-meta.max_seq_len // kv_cache.shape[1])
             tables = meta.block_tables[:, :num_blocks]
             keys = kv_cache.index_select(0, tables.flatten()).view(batch, -1, kv_cache.shape[-1])

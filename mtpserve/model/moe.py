@@ -6,6 +6,10 @@ from torch import nn
 from mtpserve.config import ModelConfig
 from mtpserve.model.layers import MLP, silu_and_mul
 
+# Up to this many (token, expert) choices, each token runs its experts on its own: fewer ops than grouping
+# tokens by expert, and on small batches the per-op cost, not the weight reads, dominates.
+PER_TOKEN_MAX_CHOICES = 8
+
 
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -84,12 +88,16 @@ class MoE(nn.Module):
 
 def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     """Runs each expert that some token chose on those tokens only, weighted by its routing weight."""
-    if x.shape[0] == 1:   # one token (batch-1 decode): no grouping needed
-        out = None
-        for j, expert in enumerate(ids[0].tolist()):
-            y = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert]) * weights[:, j:j + 1]
-            out = y if out is None else out + y
-        return out
+    if ids.numel() <= PER_TOKEN_MAX_CHOICES:   # a few tokens (decode, verify at small batch): fewer ops
+        outputs = []
+        for t, experts in enumerate(ids.tolist()):
+            token = x[t:t + 1]
+            out = None
+            for j, expert in enumerate(experts):
+                y = F.linear(silu_and_mul(F.linear(token, w13[expert])), w2[expert]) * weights[t:t + 1, j:j + 1]
+                out = y if out is None else out + y
+            outputs.append(out)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     flat_ids = ids.flatten()
     order = flat_ids.argsort()
     token_of = order // ids.shape[1]

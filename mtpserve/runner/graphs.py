@@ -38,15 +38,24 @@ class GraphRunner:
     def padded_size(self, num_rows: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= num_rows), None)
 
-    def fits(self, what: str, rows: list[Row]) -> bool:
+    @staticmethod
+    def indexed(what: str, q: int) -> bool:
+        """An MTP pass over 1+k tokens per row wants one output per row (at the accepted index): its graph
+        writes KV for every token but runs the layer for that token alone."""
+        return what != "main" and q > 1
+
+    def fits(self, what: str, rows: list[Row], output_index: list[int] | None = None) -> bool:
         """Rows fit a graph built at start-up: same query length everywhere and a batch size that pads to one
         (a prefill batch of equal-length chunks does not: it runs eagerly, nothing is compiled mid-run)."""
         q = len(rows[0].token_ids)
         return ((what, self.padded_size(len(rows)), q) in self.graphs and all(len(r.token_ids) == q for r in rows)
-                and all(len(r.block_ids) <= self.max_blocks for r in rows))
+                and all(len(r.block_ids) <= self.max_blocks for r in rows)
+                and self.indexed(what, q) == (output_index is not None))
 
-    def run(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """what: "main" or "mtp{layer}". Returns hidden states for the real rows' tokens, in order."""
+    def run(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
+            output_index: list[int] | None = None) -> torch.Tensor:
+        """what: "main" or "mtp{layer}". Returns hidden states for the real rows' tokens in order, or for
+        `output_index` (one flat token index per row; indexed graphs only)."""
         n, q = len(rows), len(rows[0].token_ids)
         batch = self.padded_size(n)
         fn, buf = self._graph(what, batch, q)
@@ -59,12 +68,13 @@ class GraphRunner:
             tables[i, :len(ids)] = torch.tensor(ids)
         slots = tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
         self._fill(buf, n, q, torch.tensor([r.token_ids for r in rows]).flatten(), positions.flatten(),
-                   torch.tensor([s + q for s in starts]), slots.flatten(), tables, prev_hidden)
+                   torch.tensor([s + q for s in starts]), slots.flatten(), tables, prev_hidden, output_index)
         # Every graph was built at warm-up and the buffers never change: only the guards that tell the graphs
         # apart need checking (the full guard set costs more than a small model's whole step on the CPU).
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             out = fn(*self._inputs(buf, bucket))
-        return out[:n * q].clone()   # a copy: a CUDA graph's output memory is overwritten by its next replay
+        # a copy: a CUDA graph's output memory is overwritten by its next replay
+        return out[:n].clone() if output_index is not None else out[:n * q].clone()
 
     def kv_bucket(self, kv_len: int) -> int:
         """Blocks in the table a graph sees: the next power of two (at least 2) covering kv_len tokens."""
@@ -77,8 +87,8 @@ class GraphRunner:
         torch._dynamo.mark_dynamic(table, 1)   # one graph for every KV bucket
         return buf[:4] + [table] + buf[5:]
 
-    def _fill(self, buf, n, q, input_ids, positions, seq_lens, slots, tables, prev_hidden):
-        ids_b, pos_b, seq_b, slot_b, table_b, hid_b = buf
+    def _fill(self, buf, n, q, input_ids, positions, seq_lens, slots, tables, prev_hidden, output_index):
+        ids_b, pos_b, seq_b, slot_b, table_b, hid_b, index_b = buf
         ids_b.zero_()
         pos_b.zero_()
         seq_b.zero_()          # padding rows: KV length 0 ...
@@ -91,6 +101,9 @@ class GraphRunner:
         table_b[:n, :tables.shape[1]].copy_(tables)
         if hid_b is not None:
             hid_b[:n * q].copy_(prev_hidden)
+        if index_b is not None:   # padding rows read their own first token
+            index_b.copy_(torch.arange(len(index_b)) * q)
+            index_b[:n].copy_(torch.tensor(output_index))
 
     def _graph(self, what: str, batch: int, q: int):
         key = (what, batch, q)
@@ -103,17 +116,18 @@ class GraphRunner:
         buf = [torch.zeros(batch * q, dtype=torch.long, device=dev), torch.zeros(batch * q, dtype=torch.long, device=dev),
                torch.zeros(batch, dtype=torch.long, device=dev), torch.full((batch * q,), -1, dtype=torch.long, device=dev),
                torch.zeros(batch, self.max_blocks, dtype=torch.long, device=dev),
-               None if what == "main" else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev)]
+               None if what == "main" else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev),
+               torch.arange(batch, device=dev) * q if self.indexed(what, q) else None]
         query_start_loc = torch.arange(batch + 1, device=dev) * q
         model, main_caches, mtp_caches = self.model, self.main_caches, self.mtp_caches
         layer = None if what == "main" else int(what.removeprefix("mtp"))
 
-        def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden):
+        def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden, output_index):
             max_seq_len = block_tables.shape[1] * self.block_size
             meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
             if layer is None:
                 return model(input_ids, positions, meta, main_caches)
-            return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer])
+            return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
 
         fn = self._compile(step)
         start = time.perf_counter()

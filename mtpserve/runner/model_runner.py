@@ -57,9 +57,8 @@ class ModelRunner:
                 output_index: list[int] | None = None) -> torch.Tensor:
         """Runs the main model ("main") or MTP layer j ("mtp{j}") on rows: a graph when the rows are uniform
         and fit one, else eagerly. Returns hidden states of every token, or of `output_index` (MTP only)."""
-        if self.graphs is not None and self.graphs.fits(what, rows):
-            out = self.graphs.run(what, rows, prev_hidden)
-            return out if output_index is None else out[output_index]
+        if self.graphs is not None and self.graphs.fits(what, rows, output_index):
+            return self.graphs.run(what, rows, prev_hidden, output_index)
         input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
         if what == "main":
             return self.model(input_ids, positions, meta, self.main_caches)

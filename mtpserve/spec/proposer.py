@@ -33,7 +33,7 @@ class MTPProposer:
             valid = s.num_new_tokens + accepted
             tokens = s.req.all_token_ids + results[i].new_token_ids
             row_tokens = tokens[s.start + 1:s.start + valid + 1]
-            if static:   # the seed's static shapes: compute 1+k tokens, read the hidden state at the accepted index
+            if static:   # the seed's static shapes: 1+k tokens (their KV written), the layer run at the accepted index
                 row_tokens = row_tokens + [row_tokens[-1]] * (1 + k - valid)
             rows.append(Row(row_tokens, s.start, s.req.block_ids))
             hidden_idx.extend(range(offsets[i], offsets[i] + len(row_tokens)))
