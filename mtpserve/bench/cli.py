@@ -34,6 +34,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--ks", default=None, help="comma list of num_speculative_tokens, 0 = no MTP (default: 0 and "
                                                 "the --speculative-config k)")
     lat.add_argument("--scorers", default="mqa", help="comma list of mqa,batch_expansion")
+    lat.add_argument("--modes", default=None,
+                     help="comma list of eager,graph: run both side by side (default: the one mode chosen)")
     lat.add_argument("--synthetic-acceptance", type=float, default=None,
                      help="MEASUREMENT MODE: each draft passes with this fixed probability (output not lossless)")
     lat.add_argument("--plot-dir", default=None, help="write PNG plots here")
@@ -104,7 +106,8 @@ def _latency(args, path: str) -> dict:
     if args.synthetic_acceptance is not None:
         print(f"MEASUREMENT MODE: synthetic acceptance {args.synthetic_acceptance} (not lossless)")
     res = latency.sweep(path, batch_sizes, ks, scorers, args.input_len, args.output_len, args.num_iters,
-                        args.enforce_eager, args.dtype, spec, args.synthetic_acceptance)
+                        args.enforce_eager, args.dtype, spec, args.synthetic_acceptance,
+                        modes=common.parse_list(args.modes, str) if args.modes else None)
     latency.print_table(res["configs"])
     return res
 
@@ -121,7 +124,8 @@ def _throughput(args, path: str) -> dict:
 def _peers(args, path: str) -> dict:
     from mtpserve.bench import throughput
     res = throughput.run_peer_comparison(path, args.k, args.input_len, args.output_len, args.batch_size,
-                                         args.num_prompts, args.enforce_eager, with_mtp=not args.no_hf_mtp)
+                                         args.num_prompts, args.enforce_eager, with_mtp=not args.no_hf_mtp,
+                                         dtype=args.dtype)
     for name, v in res["ratios"].items():
         print(f"  {name}: {v:.2f}x")
     return res

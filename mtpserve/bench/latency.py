@@ -22,16 +22,19 @@ def spec_dict(k: int, scorer: str, base: dict | None, synthetic: float | None) -
     return d
 
 
-def config_name(k: int, scorer: str) -> str:
-    return "no_mtp" if k == 0 else f"mtp_k{k}_{scorer}"
+def config_name(k: int, scorer: str, mode: str | None = None) -> str:
+    """mode: None when the sweep runs one mode (names as before), else "eager"/"graph" appended."""
+    name = "no_mtp" if k == 0 else f"mtp_k{k}_{scorer}"
+    return name if mode is None else f"{name}_{mode}"
 
 
 def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, enforce_eager: bool, dtype: str,
-                 block_size: int = 16):
+                 block_size: int = 16, graph_batch_sizes: list[int] | None = None):
     from mtpserve.engine.engine import LLMEngine
     k = spec["num_speculative_tokens"] if spec else 0
     blocks = max_batch * (-(-(max_len + k + 1) // block_size)) + 8
-    graphs = {} if enforce_eager is not False else {"graph_batch_sizes": [max_batch]}  # one graph size: the batch
+    # graph mode: one graph size, the batch (unless told)
+    graphs = {} if enforce_eager is not False else {"graph_batch_sizes": graph_batch_sizes or [max_batch]}
     return LLMEngine.from_kwargs(model=model, speculative_config=spec, max_num_seqs=max_batch,
                                  max_num_batched_tokens=max(2048, max_batch * max_len), max_model_len=max_len + k + 8,
                                  num_kv_blocks=blocks, block_size=block_size, enforce_eager=enforce_eager, dtype=dtype,
@@ -94,45 +97,55 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str], input_len: int, output_len: int,
-          num_iters: int, enforce_eager: bool, dtype: str = "auto", spec_base: dict | None = None,
-          synthetic: float | None = None, tokenizer_prompts: bool = True, log=print) -> dict:
-    """-> {"configs": [...], "prompts": ..., "outputs_match_no_mtp": ...}. One engine per (k, scorer)."""
+          num_iters: int, enforce_eager: bool | None, dtype: str = "auto", spec_base: dict | None = None,
+          synthetic: float | None = None, tokenizer_prompts: bool = True, log=print,
+          modes: list[str] | None = None) -> dict:
+    """-> {"configs": [...], "prompts": ..., "outputs_match_no_mtp": ...}. One engine per (mode, k, scorer);
+    modes ("eager", "graph") given: both run side by side, else the one enforce_eager says."""
     from mtpserve.engine.engine import LLMEngine
     max_batch = max(batch_sizes)
-    configs = [(k, s) for k in ks for s in (scorers if k else scorers[:1])]
+    mode_list = modes or [None]
+    configs = [(m, k, s) for m in mode_list for k in ks for s in (scorers if k else scorers[:1])]
     engines = {}
-    for k, s in configs:
-        engines[(k, s)] = build_engine(model, spec_dict(k, s, spec_base, synthetic), max_batch,
-                                       input_len + output_len, enforce_eager, dtype)
+    for m, k, s in configs:
+        eager = enforce_eager if m is None else m == "eager"
+        engines[(m, k, s)] = build_engine(model, spec_dict(k, s, spec_base, synthetic), max_batch,
+                                          input_len + output_len, eager, dtype, graph_batch_sizes=batch_sizes)
     any_engine: LLMEngine = next(iter(engines.values()))
     # iteration i runs prompts[i*bs : (i+1)*bs]: small batches see several prompts, every config the same ones
     prompts = common.make_prompts(max_batch * num_iters, input_len, any_engine.model_config.vocab_size,
                                   any_engine.tokenizer if tokenizer_prompts else None)
-    for (k, s), eng in engines.items():   # warm-up: one short batch each
+    for eng in engines.values():   # warm-up: one short batch each
         run_batch(eng, prompts[:2], min(8, output_len), tag="w")
-    runs = {(bs, k, s): [] for bs in batch_sizes for k, s in configs}
+    runs = {(bs, *c): [] for bs in batch_sizes for c in configs}
     for it in range(num_iters):
         for bs in batch_sizes:
-            for k, s in configs:
-                r = run_batch(engines[(k, s)], prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
-                runs[(bs, k, s)].append(r)
-                log(f"  iter {it} batch {bs:3d} {config_name(k, s):24s} {r['duration']:.3f}s "
+            for m, k, s in configs:
+                r = run_batch(engines[(m, k, s)], prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
+                runs[(bs, m, k, s)].append(r)
+                log(f"  iter {it} batch {bs:3d} {config_name(k, s, m):30s} {r['duration']:.3f}s "
                     f"accept-len {r['spec']['mean_acceptance_length']:.2f}")
+
+    def same_tokens(a, b):
+        return all(x == y for r0, r1 in zip(a, b) for x, y in zip(r0["tokens"], r1["tokens"]))
+
     results = []
     for bs in batch_sizes:
-        base = runs[(bs, configs[0][0], configs[0][1])] if configs[0][0] == 0 else None
-        for k, s in configs:
-            agg = aggregate(runs[(bs, k, s)])
-            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s), **agg)
-            if base is not None:
-                same = all(a == b for r0, r1 in zip(base, runs[(bs, k, s)]) for a, b in zip(r0["tokens"], r1["tokens"]))
-                row["greedy_tokens_equal_no_mtp"] = same if synthetic is None else None
+        for m, k, s in configs:
+            agg = aggregate(runs[(bs, m, k, s)])
+            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s, m), mode=m, **agg)
+            if 0 in ks:   # against no MTP in the same mode (graphs may round differently from eager)
+                row["greedy_tokens_equal_no_mtp"] = (same_tokens(runs[(bs, m, 0, scorers[0])], runs[(bs, m, k, s)])
+                                                     if synthetic is None else None)
+            if m not in (None, mode_list[0]) and synthetic is None:
+                row[f"greedy_tokens_equal_{mode_list[0]}"] = same_tokens(runs[(bs, mode_list[0], k, s)],
+                                                                         runs[(bs, m, k, s)])
             results.append(row)
     add_ratios(results)
     first = next(iter(engines.values()))
     mc = first.model_config
     kv_bytes = (mc.num_hidden_layers + mc.num_nextn_predict_layers) * mc.kv_cache_dim * first.dtype.itemsize
-    tokens = {bs: [t for r in runs[(bs, configs[0][0], configs[0][1])] for t in r["tokens"]] for bs in batch_sizes}
+    tokens = {bs: [t for r in runs[(bs, *configs[0])] for t in r["tokens"]] for bs in batch_sizes}
     del engines
     gc.collect()
     return dict(configs=results, kv_cache_bytes_per_token=kv_bytes, peak_rss_bytes=common.peak_rss_bytes(),
@@ -140,15 +153,21 @@ def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str],
 
 
 def add_ratios(results: list[dict]) -> None:
-    """Speedups against the no-MTP row of the same batch size (TPOT ratio, ITL ratio, tokens/s ratio)."""
-    base = {r["batch_size"]: r for r in results if r["k"] == 0}
+    """Speedups against the no-MTP row of the same batch size and mode (TPOT ratio, ITL ratio, tokens/s
+    ratio); with two modes also graph over eager for the same configuration (TPOT ratio)."""
+    base = {(r["batch_size"], r.get("mode")): r for r in results if r["k"] == 0}
+    eager = {(r["batch_size"], r["k"], r["scorer"]): r for r in results if r.get("mode") == "eager"}
     for r in results:
-        b = base.get(r["batch_size"])
-        if b is None:
-            continue
-        r["tpot_speedup"] = b["tpot_ms"]["mean"] / r["tpot_ms"]["mean"] if r["tpot_ms"]["mean"] else None
-        r["itl_ratio_vs_no_mtp"] = r["itl_ms"]["mean"] / b["itl_ms"]["mean"] if b["itl_ms"]["mean"] else None
-        r["throughput_speedup"] = r["output_tokens_per_s"] / b["output_tokens_per_s"]
+        b = base.get((r["batch_size"], r.get("mode")))
+        if b is not None:
+            r["tpot_speedup"] = b["tpot_ms"]["mean"] / r["tpot_ms"]["mean"] if r["tpot_ms"]["mean"] else None
+            r["itl_ratio_vs_no_mtp"] = r["itl_ms"]["mean"] / b["itl_ms"]["mean"] if b["itl_ms"]["mean"] else None
+            r["throughput_speedup"] = r["output_tokens_per_s"] / b["output_tokens_per_s"]
+        e = eager.get((r["batch_size"], r["k"], r["scorer"]))
+        if r.get("mode") == "graph" and e is not None:
+            r["graph_tpot_speedup_vs_eager"] = e["tpot_ms"]["mean"] / r["tpot_ms"]["mean"]
+            if r["k"]:   # the seed's "acceleration": eager no-MTP TPOT over this TPOT
+                r["tpot_speedup_vs_eager_no_mtp"] = base[(r["batch_size"], "eager")]["tpot_ms"]["mean"] / r["tpot_ms"]["mean"]
 
 
 def print_table(results: list[dict]) -> None:

@@ -34,10 +34,10 @@ def _generate(model, prompts: list[list[int]], output_len: int, **kw) -> tuple[l
 
 def run_peers(path: str, prompts: list[list[int]], output_len: int, batch: int, num_single: int,
               ours_single: list[list[int]] | None, ours_batch: list[list[int]] | None,
-              with_mtp: bool = True, log=print) -> dict:
+              with_mtp: bool = True, log=print, dtype: torch.dtype = torch.float32) -> dict:
     """Runs transformers on `num_single` prompts one at a time (plain and use_mtp) and on the first `batch`
     prompts as one batched generate. Compares greedy tokens with ours."""
-    model = load_transformers_model(path)
+    model = load_transformers_model(path, dtype)
     _generate(model, prompts[:1], 4)   # warm-up
     res = {}
     single, t_single = [], 0.0

@@ -23,6 +23,7 @@ def plot_latency(record: dict, plot_dir: str, prefix: str = "bench_") -> list[st
     """speedup vs k, acceptance per position, TPOT vs batch size (with and without MTP)."""
     plt = _plt()
     rows = record["results"]["configs"]
+    rows = [r for r in rows if r.get("mode") == rows[0].get("mode")]   # two modes: plot the first
     os.makedirs(plot_dir, exist_ok=True)
     tag = " (SYNTHETIC acceptance)" if record.get("measurement_mode", "real") != "real" else ""
     paths = []
@@ -78,17 +79,22 @@ def latency_tables(rec: dict) -> list[str]:
            f"measurement mode: **{rec.get('measurement_mode', 'real')}**; {rec['results']['configs'][0]['num_iters']} "
            f"iterations per config, interleaved.", ""]
     seed_bs = min(r["batch_size"] for r in rows)
-    mode = "graph mode" if "--graph-mode" in rec["command"] else "eager"
-    out += [f"Seed-style table (batch {seed_bs}, {mode}):", "",
-            "| config | ITL ms | TPOT ms | acceptance rate | mean acceptance length | TPOT speedup | ITL vs no MTP |",
-            "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["batch_size"] == seed_bs and (r["k"] == 0 or r["scorer"] == "mqa" or "mqa" not in
-                                           {x["scorer"] for x in rows}):
-            name = "no MTP" if r["k"] == 0 else f"MTP k={r['k']}"
-            out.append(f"| {name} | {_f(r['itl_ms']['mean'])} | {_f(r['tpot_ms']['mean'])} | "
-                       f"{_f(r['acceptance_rate'], '{:.3f}')} | {_f(r['mean_acceptance_length'])} | "
-                       f"{_f(r.get('tpot_speedup'))}x | {_f(r.get('itl_ratio_vs_no_mtp'))}x |")
+    modes = list(dict.fromkeys(r.get("mode") for r in rows))
+    for m in modes:
+        mode = m or ("graph mode" if "--graph-mode" in rec["command"] else "eager")
+        out += [f"Seed-style table (batch {seed_bs}, {mode}):", "",
+                "| config | ITL ms | TPOT ms | acceptance rate | mean acceptance length | TPOT speedup | ITL vs no MTP |",
+                "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["batch_size"] == seed_bs and r.get("mode") == m and (
+                    r["k"] == 0 or r["scorer"] == "mqa" or "mqa" not in {x["scorer"] for x in rows}):
+                name = "no MTP" if r["k"] == 0 else f"MTP k={r['k']}"
+                out.append(f"| {name} | {_f(r['itl_ms']['mean'])} | {_f(r['tpot_ms']['mean'])} | "
+                           f"{_f(r['acceptance_rate'], '{:.3f}')} | {_f(r['mean_acceptance_length'])} | "
+                           f"{_f(r.get('tpot_speedup'))}x | {_f(r.get('itl_ratio_vs_no_mtp'))}x |")
+        out.append("")
+    if modes == ["eager", "graph"]:
+        out += graph_vs_eager_table(rows, seed_bs)
     out += ["", "Full sweep:", "",
             "| batch | config | ITL ms | TPOT ms | output tok/s | acc. rate | acc. length | per position | "
             "TPOT speedup | greedy = no MTP |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -114,7 +120,8 @@ def peers_table(rec: dict) -> list[str]:
     r = rec["results"]
     bs = r["batch_size"]
     out = [f"Command: `{rec['command']}`", "", f"{r['num_single']} prompts one at a time (batch 1) and {bs} at once; "
-           f"input {r['input_len']}, output {r['output_len']} tokens, greedy, fp32.", "",
+           f"input {r['input_len']}, output {r['output_len']} tokens, greedy, {r.get('dtype', 'float32')} for "
+           f"both{', ours in graph mode' if '--graph-mode' in rec['command'] else ''}.", "",
            "| system | batch 1 tok/s | batch " + str(bs) + " tok/s | greedy tokens identical to ours (no MTP) |",
            "|---|---|---|---|"]
     for name, v in r["ours"].items():
@@ -179,6 +186,28 @@ def other_table(rec: dict) -> list[str]:
     return out
 
 
+def graph_vs_eager_table(rows: list[dict], bs: int) -> list[str]:
+    """The seed's graph-mode table: eager vs graph x (no-MTP ITL, MTP ITL, MTP TPOT, acceleration)."""
+    get = {(r["mode"], r["k"]): r for r in rows if r["batch_size"] == bs and (r["k"] == 0 or r["scorer"] == "mqa")}
+    ks = sorted({k for _, k in get if k})
+    out = [f"Eager vs graph mode (batch {bs}; acceleration = eager no-MTP TPOT / this TPOT):", "",
+           "| | eager | graph | graph / eager |", "|---|---|---|---|"]
+    e0, g0 = get.get(("eager", 0)), get.get(("graph", 0))
+    if e0 and g0:
+        out.append(f"| no MTP ITL ms | {_f(e0['itl_ms']['mean'])} | {_f(g0['itl_ms']['mean'])} | "
+                   f"{_f(g0.get('graph_tpot_speedup_vs_eager'))}x faster |")
+    for k in ks:
+        e, g = get.get(("eager", k)), get.get(("graph", k))
+        if not (e and g and e0):
+            continue
+        accel_e = e0["tpot_ms"]["mean"] / e["tpot_ms"]["mean"]
+        out += [f"| MTP k={k} ITL ms | {_f(e['itl_ms']['mean'])} | {_f(g['itl_ms']['mean'])} | |",
+                f"| MTP k={k} TPOT ms | {_f(e['tpot_ms']['mean'])} | {_f(g['tpot_ms']['mean'])} | "
+                f"{_f(g.get('graph_tpot_speedup_vs_eager'))}x faster |",
+                f"| MTP k={k} acceleration | {accel_e:.2f}x | {_f(g.get('tpot_speedup_vs_eager_no_mtp'))}x | |"]
+    return out + [""]
+
+
 def verdict(speedup: float) -> str:
     """Within +-5% is this shared machine's run-to-run noise: call it break-even."""
     return "pays" if speedup > 1.05 else "break-even (within noise)" if speedup >= 0.95 else "does not pay"
@@ -188,36 +217,46 @@ def targets(recs: list[dict]) -> list[str]:
     """The issue targets, checked against the measured numbers (real acceptance only)."""
     out = ["| target | measured | met? |", "|---|---|---|"]
     lat = [r for r in recs if r["benchmark"] == "latency" and r.get("measurement_mode", "real") == "real"]
-    if lat:
-        rows = lat[0]["results"]["configs"]
-        b1 = [r for r in rows if r["batch_size"] == 1 and r["k"] and r["scorer"] == "mqa"]
-        k1 = next((r for r in b1 if r["k"] == 1), None)
-        if k1:
-            out.append(f"| batch 1: ITL(k=1) / ITL(no MTP) <= 1.25 | {k1['itl_ratio_vs_no_mtp']:.2f}x | "
-                       f"{'yes' if k1['itl_ratio_vs_no_mtp'] <= 1.25 else 'no'} |")
-            out.append(f"| batch 1: TPOT speedup k=1 >= 1.3x | {k1['tpot_speedup']:.2f}x | "
-                       f"{'yes' if k1['tpot_speedup'] >= 1.3 else 'no'} |")
-        if b1:
-            best = max(b1, key=lambda r: r["tpot_speedup"])
-            out.append(f"| batch 1: best k >= 1.5x | k={best['k']}: {best['tpot_speedup']:.2f}x | "
-                       f"{'yes' if best['tpot_speedup'] >= 1.5 else 'no'} |")
-        for bs in sorted({r["batch_size"] for r in rows}):
-            cand = [r for r in rows if r["batch_size"] == bs and r["k"]]
-            if cand:
-                best = max(cand, key=lambda r: r["tpot_speedup"])
-                out.append(f"| batch {bs}: does speculation pay? | best {best['name']}: {best['tpot_speedup']:.2f}x "
-                           f"TPOT | {verdict(best['tpot_speedup'])} |")
+    for rec in lat:
+        rows = rec["results"]["configs"]
+        dtype = rec["command"].split("--dtype ")[1].split()[0] if "--dtype " in rec["command"] else "auto"
+        for m in dict.fromkeys(r.get("mode") for r in rows):
+            where = f"{m or ('graph' if '--graph-mode' in rec['command'] else 'eager')}, {dtype}"
+            mrows = [r for r in rows if r.get("mode") == m]
+            b1 = [r for r in mrows if r["batch_size"] == 1 and r["k"] and r["scorer"] == "mqa"]
+            k1 = next((r for r in b1 if r["k"] == 1), None)
+            if k1:
+                out.append(f"| batch 1 ({where}): ITL(k=1) / ITL(no MTP) <= 1.25 | {k1['itl_ratio_vs_no_mtp']:.2f}x | "
+                           f"{'yes' if k1['itl_ratio_vs_no_mtp'] <= 1.25 else 'no'} |")
+                out.append(f"| batch 1 ({where}): TPOT speedup k=1 >= 1.3x | {k1['tpot_speedup']:.2f}x | "
+                           f"{'yes' if k1['tpot_speedup'] >= 1.3 else 'no'} |")
+            if b1:
+                best = max(b1, key=lambda r: r["tpot_speedup"])
+                out.append(f"| batch 1 ({where}): best k >= 1.5x | k={best['k']}: {best['tpot_speedup']:.2f}x | "
+                           f"{'yes' if best['tpot_speedup'] >= 1.5 else 'no'} |")
+            for bs in sorted({r["batch_size"] for r in mrows}):
+                cand = [r for r in mrows if r["batch_size"] == bs and r["k"]]
+                if cand and bs > 1:
+                    best = max(cand, key=lambda r: r["tpot_speedup"])
+                    out.append(f"| batch {bs} ({where}): does speculation pay? | best {best['name']}: "
+                               f"{best['tpot_speedup']:.2f}x TPOT | {verdict(best['tpot_speedup'])} |")
+            g0 = next((r for r in mrows if m == "graph" and r["batch_size"] == 1 and r["k"] == 0), None)
+            if g0 and g0.get("graph_tpot_speedup_vs_eager"):
+                v = g0["graph_tpot_speedup_vs_eager"]
+                out.append(f"| batch 1 ({dtype}): graph-mode decode >= 1.3x eager | {v:.2f}x | "
+                           f"{'yes' if v >= 1.3 else 'no'} |")
     for rec in recs:
         if rec["benchmark"] == "peers":
             r = rec["results"]
             bs = r["batch_size"]
+            where = f"{r.get('dtype', 'float32')}{', graph mode' if '--graph-mode' in rec['command'] else ''}"
             for name, want in ((f"ours_no_mtp_batch1_vs_hf_batch1", 3.0), (f"ours_no_mtp_batch{bs}_vs_hf_batch{bs}", 5.0)):
                 if name in r["ratios"]:
                     v = r["ratios"][name]
-                    out.append(f"| {name} >= {want:.0f}x | {v:.2f}x | {'yes' if v >= want else 'no'} |")
+                    out.append(f"| {name} ({where}) >= {want:.0f}x | {v:.2f}x | {'yes' if v >= want else 'no'} |")
             for name, v in r["ratios"].items():
                 if name.startswith("ours_mtp") and name.endswith("vs_hf_batch1"):
-                    out.append(f"| {name} (>= 3x) | {v:.2f}x | {'yes' if v >= 3.0 else 'no'} |")
+                    out.append(f"| {name} ({where}) (>= 3x) | {v:.2f}x | {'yes' if v >= 3.0 else 'no'} |")
     return out if len(out) > 2 else []
 
 
@@ -251,7 +290,8 @@ def write_report(paths: list[str], out_path: str, plot_dir: str, intro: str | No
         if kind == "latency":
             lines += latency_tables(rec)
             real = rec.get("measurement_mode", "real") == "real"
-            names = plot_latency(rec, plot_dir, "bench_" if real else "bench_synthetic_")
+            stem = os.path.splitext(os.path.basename(paths[recs.index(rec)]))[0]
+            names = plot_latency(rec, plot_dir, f"bench_{stem}_" if real else "bench_synthetic_")
             rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(out_path)) or ".") for p in names]
             lines += [""] + [f"![{os.path.basename(p)}]({p})" for p in rel]
         elif kind == "peers":

@@ -24,17 +24,26 @@ def run_throughput(model: str, spec: dict | None, num_prompts: int, input_len: i
                 num_output_tokens=n_out, spec=r["spec"], peak_rss_bytes=common.peak_rss_bytes())
 
 
+def base_dtype(name: str):
+    """Our --dtype name as a torch dtype for transformers ("auto" is float32 on the CPU, as ours)."""
+    import torch
+    from mtpserve.engine.engine import resolve_device_dtype
+    return resolve_device_dtype("cpu", name)[1] if name != "auto" else torch.float32
+
+
 def run_peer_comparison(model: str, k: int, input_len: int, output_len: int, batch: int, num_single: int,
-                        enforce_eager: bool, with_mtp: bool = True, log=print) -> dict:
+                        enforce_eager: bool, with_mtp: bool = True, log=print, dtype: str = "float32") -> dict:
     """Our engine (no MTP and MTP k) at batch 1, one prompt at a time, and at `batch` at once, then
     transformers on the same prompts; ratios and greedy-token equality."""
-    base = latency.build_engine(model, None, batch, input_len + output_len, enforce_eager, "float32")
+    sizes = sorted({1, batch})
+    base = latency.build_engine(model, None, batch, input_len + output_len, enforce_eager, dtype, graph_batch_sizes=sizes)
     prompts = common.make_prompts(max(batch, num_single), input_len, base.model_config.vocab_size, base.tokenizer)
     ours = {}
     engines = {"ours_no_mtp": base}
     if k:
         engines[f"ours_mtp_k{k}"] = latency.build_engine(model, latency.spec_dict(k, "mqa", None, None), batch,
-                                                         input_len + output_len, enforce_eager, "float32")
+                                                         input_len + output_len, enforce_eager, dtype,
+                                                         graph_batch_sizes=sizes)
     tokens = {}
     for name, eng in engines.items():
         latency.run_batch(eng, prompts[:2], min(8, output_len), tag="w")
@@ -55,7 +64,8 @@ def run_peer_comparison(model: str, k: int, input_len: int, output_len: int, bat
             " tok/s")
     del engines, base
     ref1, refb = tokens["ours_no_mtp"]
-    hf = peers.run_peers(model, prompts, output_len, batch, num_single, ref1, refb, with_mtp=with_mtp, log=log)
+    hf = peers.run_peers(model, prompts, output_len, batch, num_single, ref1, refb, with_mtp=with_mtp, log=log,
+                         dtype=base_dtype(dtype))
     ratios = {}
     for name in ours:
         ratios[f"{name}_batch1_vs_hf_batch1"] = ours[name]["batch1"]["tokens_per_s"] / hf["hf_generate_batch1"][
@@ -72,4 +82,4 @@ def run_peer_comparison(model: str, k: int, input_len: int, output_len: int, bat
         equal_mtp = dict(batch1=t1 == ref1, batch=tb == refb)
     return dict(ours=ours, transformers=hf, ratios=ratios, ours_mtp_tokens_equal_ours_no_mtp=equal_mtp,
                 batch_size=batch, num_single=num_single, input_len=input_len, output_len=output_len,
-                dtype="float32", peak_rss_bytes=common.peak_rss_bytes())
+                dtype=str(base_dtype(dtype)).removeprefix("torch."), peak_rss_bytes=common.peak_rss_bytes())

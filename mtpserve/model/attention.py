@@ -36,6 +36,7 @@ class AttentionMetadata:
     token_row: torch.Tensor | None = None   # [N] request of each token
     token_col: torch.Tensor | None = None   # [N] index of each token inside its request's query block
     mask: torch.Tensor | None = None        # [B, 1, max_q, max_kv] True = may attend
+    keys_buffer: torch.Tensor | None = None  # eager only: gathered cache blocks, reused layer after layer
 
     def select(self, index: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":
         """Metadata for one query token per request (`index`: one flat token index per request), attending
@@ -60,6 +61,17 @@ class AttentionMetadata:
         mask[..., 0] |= ~mask.any(-1)  # padding rows attend to one key instead of none (no NaN); dropped later
         self.mask = mask.unsqueeze(1)
         return self
+
+
+def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+    """kv_cache[blocks]. Eagerly, into one buffer that every layer of the forward reuses: a fresh multi-MB
+    tensor per layer costs more in page faults than the copy itself on the CPU."""
+    if torch.compiler.is_compiling():
+        return kv_cache.index_select(0, blocks)
+    shape = (blocks.shape[0], *kv_cache.shape[1:])
+    if meta.keys_buffer is None or meta.keys_buffer.shape != shape or meta.keys_buffer.dtype != kv_cache.dtype:
+        meta.keys_buffer = kv_cache.new_empty(shape)
+    return torch.index_select(kv_cache, 0, blocks, out=meta.keys_buffer)
 
 
 def dense_metadata(batch: int, seq_len: int, device) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -151,7 +163,7 @@ class MLAttention(nn.Module):
                 kv_cache.view(-1, kv_cache.shape[-1])[meta.slot_mapping] = kv_new.to(kv_cache.dtype)
             num_blocks = -(-meta.max_seq_len // kv_cache.shape[1])
             tables = meta.block_tables[:, :num_blocks]
-            keys = kv_cache.index_select(0, tables.flatten()).view(batch, -1, kv_cache.shape[-1])
+            keys = gather_blocks(kv_cache, tables.flatten(), meta).view(batch, -1, kv_cache.shape[-1])
             keys = keys[:, :meta.max_seq_len].to(x.dtype)
 
         uniform = n == batch * meta.max_query_len   # every row has max_query_len tokens: a plain view
