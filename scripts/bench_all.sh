@@ -6,12 +6,17 @@ cd "$(dirname "$0")/.."
 R=docs/bench_results
 mkdir -p $R
 B="mtpserve bench"
+# Batch 1, eager and graph mode side by side (the seed's graph table), in fp32 and in bf16 (the checkpoint's dtype)
+for dt in float32 bfloat16; do
+  $B latency --batch-sizes 1 --ks 0,1,2,3,4 --modes eager,graph --dtype $dt --input-len 32 --output-len 64 \
+    --num-iters 6 --threads 1 --output-json $R/latency_b1_$dt.json --plot-dir docs
+done
 $B latency --batch-sizes 1,8,32 --ks 0,1,2,3,4 --scorers mqa,batch_expansion --input-len 32 --output-len 64 \
-  --num-iters 3 --threads 1 --enforce-eager --output-json $R/latency.json --plot-dir docs
-$B latency --batch-sizes 1 --ks 0,1,2 --input-len 32 --output-len 64 --num-iters 3 --threads 1 --graph-mode \
-  --output-json $R/latency_graph.json
+  --num-iters 3 --threads 1 --enforce-eager --output-json $R/latency.json
 $B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
   --output-json $R/peers.json
+$B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --graph-mode \
+  --dtype bfloat16 --output-json $R/peers_bf16_graph.json
 $B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
   --output-json $R/throughput_no_mtp.json
 $B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
@@ -33,6 +38,7 @@ for spec in none mtp_k2; do
   done
   kill $server; wait $server || true
 done
-$B report --results $R/latency.json $R/latency_graph.json $R/peers.json $R/throughput_no_mtp.json \
+$B report --results $R/latency_b1_float32.json $R/latency_b1_bfloat16.json $R/latency.json $R/peers.json \
+  $R/peers_bf16_graph.json $R/throughput_no_mtp.json \
   $R/throughput_mtp_k2.json $R/serve_none_c{1,4,16}.json $R/serve_mtp_k2_c{1,4,16}.json $R/roofline.json $R/latency_synthetic_300m.json \
   --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md

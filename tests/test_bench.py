@@ -79,6 +79,23 @@ def test_bench_latency(ckpt, tmp_path):
     assert sorted(os.listdir(tmp_path)).count("bench_speedup_vs_k.png") == 1
 
 
+def test_bench_latency_eager_and_graph_side_by_side(ckpt, tmp_path):
+    """--modes eager,graph: one engine per (mode, k), the graph-over-eager ratios, the seed's graph table."""
+    from mtpserve.bench import report
+    rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,1", "--modes", "eager,graph", "--input-len", "5",
+                   "--output-len", "6", "--num-iters", "1"], tmp_path / "modes.json")
+    rows = {(r["mode"], r["k"]): r for r in rec["results"]["configs"]}
+    assert set(rows) == {("eager", 0), ("eager", 1), ("graph", 0), ("graph", 1)}
+    for k in (0, 1):
+        graph = rows[("graph", k)]
+        assert graph["greedy_tokens_equal_eager"] is True and graph["greedy_tokens_equal_no_mtp"] is True
+        assert graph["graph_tpot_speedup_vs_eager"] == pytest.approx(
+            rows[("eager", k)]["tpot_ms"]["mean"] / graph["tpot_ms"]["mean"])
+    text = "\n".join(report.latency_tables(rec))
+    assert "Eager vs graph mode" in text and "MTP k=1 acceleration" in text
+    assert any("graph-mode decode >= 1.3x eager" in line for line in report.targets([rec]))
+
+
 def test_bench_latency_synthetic(ckpt, tmp_path):
     rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,2", "--synthetic-acceptance", "1.0",
                    "--input-len", "4", "--output-len", "7", "--num-iters", "1"], tmp_path / "syn.json")

@@ -275,3 +275,22 @@ def test_fused_for_inference_equals_unfused(name, tmp_path):
     moe = [m for m in fused.modules() if type(m).__name__ == "MoE"]
     for m in moe:   # the experts' parameters are views of the stacked tensors, not copies
         assert m.experts[0].gate_proj.weight.data_ptr() == m.w13.data_ptr()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 20])
+def test_moe_expert_paths_agree(num_tokens):
+    """The three ways to run the routed experts (per token, grouped by expert, all experts densely) give
+    the same output, and the dense one is not trivially zero for the experts not chosen."""
+    from mtpserve.model.moe import _all_experts, _hit_experts
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts, hidden, inter, k = 8, 16, 12, 2
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    w2 = torch.randn(hidden, experts, inter, generator=gen)
+    weights, ids = torch.rand(num_tokens, experts, generator=gen).topk(k, dim=-1)
+    ref = torch.stack([sum(weights[t, j] * (w2[:, ids[t, j]] @ (torch.nn.functional.silu(w13[ids[t, j], :inter] @ x[t])
+                                                                 * (w13[ids[t, j], inter:] @ x[t]))) for j in range(k))
+                       for t in range(num_tokens)])
+    assert max_diff(_hit_experts(x, weights, ids, w13, w2), ref) < 1e-4
+    assert max_diff(_all_experts(x, weights, ids, w13, w2), ref) < 1e-4
+    assert ref.abs().max() > 1.0

@@ -9,6 +9,9 @@ from mtpserve.model.layers import MLP, silu_and_mul
 # Up to this many (token, expert) choices, each token runs its experts on its own: fewer ops than grouping
 # tokens by expert, and on small batches the per-op cost, not the weight reads, dominates.
 PER_TOKEN_MAX_CHOICES = 8
+# Up to this many tokens, a half-precision batch choosing at least half the experts runs all of them densely
+# (two GEMMs): cheaper than a GEMM pair per expert when weight reads and per-op costs, not FLOPs, dominate.
+DENSE_MAX_TOKENS = 16
 
 
 class Gate(nn.Module):
@@ -65,36 +68,44 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
         if self.w13 is None:   # unfused (training): the per-expert modules
-            w13 = [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
-            return out + _hit_experts(x, weights, ids, w13, [e.down_proj.weight for e in self.experts])
-        if not torch.compiler.is_compiling():
-            return out + _hit_experts(x, weights, ids, self.w13, self.w2)
-        if x.device.type == "cuda":   # a CUDA graph cannot hold a host-side loop over the experts hit
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+            return out + _hit_experts(x, weights, ids, w13, torch.stack([e.down_proj.weight for e in self.experts], 1))
+        num_experts = self.w13.shape[0]
+        compiling = torch.compiler.is_compiling()
+        few = x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= num_experts and x.dtype != torch.float32
+        if few or (compiling and x.is_cuda):
+            # A few tokens choosing about half the experts or more, in half precision (whose CPU GEMMs cost the
+            # same for 1 and 16 rows; fp32 ones do not), or a CUDA graph (which cannot loop over the experts
+            # hit on the host): all experts as two GEMMs, weighted by the (mostly zero) routing weights.
             return out + _all_experts(x, weights, ids, self.w13, self.w2)
+        if not compiling:
+            return out + _hit_experts(x, weights, ids, self.w13, self.w2)
         return out + routed_experts(x, weights, ids, self.w13, self.w2)
 
     @torch.no_grad()
     def fuse(self) -> None:
-        """Inference only: every expert's weights become views of two stacked tensors [E, 2I, H] and
-        [E, H, I] (the state dict keeps its names), and gate/up run as one GEMM."""
+        """Inference only: the experts' weights become views of two tensors, w13 [E, 2I, H] (gate and up of
+        an expert as one GEMM) and w2 [H, E, I] (all down projections side by side: one GEMM over all
+        experts' outputs); the state dict keeps its names."""
         self.w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-        self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        self.w2 = torch.stack([e.down_proj.weight for e in self.experts], dim=1)
         inter = self.w2.shape[-1]
         for i, e in enumerate(self.experts):
             e.gate_proj.weight = nn.Parameter(self.w13[i, :inter], requires_grad=False)
             e.up_proj.weight = nn.Parameter(self.w13[i, inter:], requires_grad=False)
-            e.down_proj.weight = nn.Parameter(self.w2[i], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(self.w2[:, i], requires_grad=False)
 
 
 def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
-    """Runs each expert that some token chose on those tokens only, weighted by its routing weight."""
+    """Runs each expert that some token chose on those tokens only, weighted by its routing weight.
+    w13: [E, 2I, H]; w2: [H, E, I]."""
     if ids.numel() <= PER_TOKEN_MAX_CHOICES:   # a few tokens (decode, verify at small batch): fewer ops
         outputs = []
         for t, experts in enumerate(ids.tolist()):
             token = x[t:t + 1]
             out = None
             for j, expert in enumerate(experts):
-                y = F.linear(silu_and_mul(F.linear(token, w13[expert])), w2[expert]) * weights[t:t + 1, j:j + 1]
+                y = F.linear(silu_and_mul(F.linear(token, w13[expert])), w2[:, expert]) * weights[t:t + 1, j:j + 1]
                 out = y if out is None else out + y
             outputs.append(out)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
@@ -108,7 +119,7 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
         if count:
             chosen = order[start:start + count]
             rows = token_of[start:start + count]
-            y = F.linear(silu_and_mul(F.linear(x[rows], w13[expert])), w2[expert])
+            y = F.linear(silu_and_mul(F.linear(x[rows], w13[expert])), w2[:, expert])
             out.index_add_(0, rows, y * flat_weights[chosen].unsqueeze(-1))
             start += count
     return out
@@ -127,8 +138,9 @@ def _(x, weights, ids, w13, w2):
 
 
 def _all_experts(x, weights, ids, w13, w2) -> torch.Tensor:
-    """Graph form with no data-dependent shapes: every expert runs on every token, weighted by its (mostly
-    zero) routing weight. E/k times the expert FLOPs: meant for small expert counts."""
-    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=x.dtype, device=x.device).scatter(1, ids, weights)
-    hidden = silu_and_mul(torch.matmul(x, w13.transpose(1, 2)))          # [E, N, I]
-    return torch.einsum("enh,ne->nh", torch.matmul(hidden, w2.transpose(1, 2)), dense)
+    """Every expert on every token as two GEMMs (no data-dependent shapes), weighted by the routing weights,
+    zero for the experts a token did not choose. E/k times the expert FLOPs, one pass over all expert weights."""
+    num_experts, inter = w13.shape[0], w2.shape[-1]
+    dense = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+    hidden = silu_and_mul(F.linear(x, w13.view(-1, w13.shape[-1])).view(x.shape[0], num_experts, 2 * inter))
+    return F.linear((hidden * dense.unsqueeze(-1)).view(x.shape[0], -1), w2.view(w2.shape[0], -1))
