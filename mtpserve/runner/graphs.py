@@ -131,10 +131,10 @@ class GraphRunner:
 
         fn = self._compile(step)
         start = time.perf_counter()
-        # compile (and on CUDA capture every KV bucket) now, with padding rows only: no real KV is touched
+        # Compile now, and run every KV bucket once (on CUDA each is captured; on the CPU the one dynamic
+        # kernel serves them all, but a table as wide as the whole buffer may still need its own variant), with
+        # padding rows only: no real KV is touched.
         buckets = sorted({self.kv_bucket(n * self.block_size) for n in range(1, self.max_blocks + 1)})
-        if torch.device(dev).type != "cuda":
-            buckets = buckets[:1]   # the CPU kernel is compiled for any bucket
         with torch.inference_mode():
             for bucket in buckets:
                 fn(*self._inputs(buf, bucket))
