@@ -9,7 +9,7 @@ B="mtpserve bench"
 # Batch 1, eager and graph mode side by side (the seed's graph table), in fp32 and in bf16 (the checkpoint's dtype)
 for dt in float32 bfloat16; do
   $B latency --batch-sizes 1 --ks 0,1,2,3,4 --modes eager,graph --dtype $dt --input-len 32 --output-len 64 \
-    --num-iters 6 --threads 1 --output-json $R/latency_b1_$dt.json --plot-dir docs
+    --num-iters 6 --threads 1 --output-json $R/latency_b1_$dt.json
 done
 $B latency --batch-sizes 1,8,32 --ks 0,1,2,3,4 --scorers mqa,batch_expansion --input-len 32 --output-len 64 \
   --num-iters 3 --threads 1 --enforce-eager --output-json $R/latency.json

@@ -133,7 +133,8 @@ def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str],
     for bs in batch_sizes:
         for m, k, s in configs:
             agg = aggregate(runs[(bs, m, k, s)])
-            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s, m), mode=m, **agg)
+            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s, m), mode=m,
+                       graph_build_seconds=engines[(m, k, s)].graph_warmup_seconds, **agg)
             if 0 in ks:   # against no MTP in the same mode (graphs may round differently from eager)
                 row["greedy_tokens_equal_no_mtp"] = (same_tokens(runs[(bs, m, 0, scorers[0])], runs[(bs, m, k, s)])
                                                      if synthetic is None else None)

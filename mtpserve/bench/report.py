@@ -205,6 +205,9 @@ def graph_vs_eager_table(rows: list[dict], bs: int) -> list[str]:
                 f"| MTP k={k} TPOT ms | {_f(e['tpot_ms']['mean'])} | {_f(g['tpot_ms']['mean'])} | "
                 f"{_f(g.get('graph_tpot_speedup_vs_eager'))}x faster |",
                 f"| MTP k={k} acceleration | {accel_e:.2f}x | {_f(g.get('tpot_speedup_vs_eager_no_mtp'))}x | |"]
+    builds = [r.get("graph_build_seconds") for r in rows if r.get("mode") == "graph" and r["batch_size"] == bs]
+    if any(builds):
+        out.append(f"| start-up: compiling the graphs, s | 0 | {min(builds):.1f}-{max(builds):.1f} (per engine) | |")
     return out + [""]
 
 

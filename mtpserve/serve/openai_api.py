@@ -189,6 +189,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--max-num-batched-tokens", type=int, default=None)
     a("--num-kv-blocks", type=int, default=None)
     a("--enforce-eager", action="store_true", default=None, help="never use graphs (default: graphs on CUDA, eager on CPU)")
+    a("--graph-mode", action="store_true",
+      help="compiled decode steps also on the CPU (faster decode; ~10-100 s of compiling at start-up)")
     a("--dtype", default="auto")
     a("--seed", type=int, default=0)
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
@@ -206,7 +208,9 @@ def build_engine(args):
             spec = json.loads(args.speculative_config)
         except ValueError as e:
             raise SystemExit(f"--speculative-config is not valid JSON: {e}")
-    kwargs = dict(model=args.model, speculative_config=spec, enforce_eager=args.enforce_eager,
+    if args.graph_mode and args.enforce_eager:
+        raise SystemExit("--graph-mode and --enforce-eager: choose one")
+    kwargs = dict(model=args.model, speculative_config=spec, enforce_eager=False if args.graph_mode else args.enforce_eager,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed)
     if args.max_num_batched_tokens is not None:
