@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
-from mtpserve.model.layers import RMSNorm, RotaryEmbedding, share_storage, softmax_scale
+from mtpserve.model.layers import RMSNorm, RotaryEmbedding, linear, share_storage, softmax_scale
 
 ABSORB_MAX_QUERY_LEN = 8  # "auto" uses the absorbed form up to this many query tokens per request
 
@@ -126,7 +126,7 @@ class MLAttention(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x -> (queries [N, H * qk_head_dim], kv_a output [N, r + rope])."""
         if self.x_proj is not None:
-            q, kv_a = F.linear(x, self.x_proj).split([self.x_proj.shape[0] - self.kv_a_proj_with_mqa.weight.shape[0],
+            q, kv_a = linear(x, self.x_proj).split([self.x_proj.shape[0] - self.kv_a_proj_with_mqa.weight.shape[0],
                                                        self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
         else:
             q = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
@@ -199,7 +199,7 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(query, key.transpose(1, 2), value.transpose(1, 2),
                                                  attn_mask=meta.mask, scale=self.scale)
             out = from_padded(out)                                                # [N, H, v]
-        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
+        return linear(out.reshape(n, self.num_heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
 
     def _absorb_queries(self, q_nope: torch.Tensor) -> torch.Tensor:   # [N, H, nope] -> [N, H, r]
         if self.w_uk is None:

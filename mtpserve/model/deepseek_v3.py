@@ -8,7 +8,7 @@ from torch import nn
 
 from mtpserve.config import ModelConfig
 from mtpserve.model.attention import AttentionMetadata, MLAttention, dense_metadata
-from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding
+from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding, linear
 from mtpserve.model.moe import MoE
 
 
@@ -46,14 +46,15 @@ class MTPLayer(DecoderLayer):
     def forward(self, input_ids, prev_hidden, positions, meta, kv_cache, output_index=None):
         """output_index (one token per request): only those tokens' outputs are wanted. The others then only
         write their KV; attention and MoE run for the wanted tokens alone (exact: nothing else reads them)."""
-        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1))
+        x = linear(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1),
+                   self.eh_proj.weight)
         if output_index is None or kv_cache is None:
             return super().forward(x, positions, meta, kv_cache)
         self.self_attn.write_kv(self.input_layernorm(x), positions, meta.slot_mapping, kv_cache)
         return super().forward(x[output_index], positions[output_index], meta.select(output_index, positions), kv_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+        return linear(self.shared_head.norm(hidden), self.shared_head.head.weight).float()
 
 
 class Backbone(nn.Module):
@@ -107,7 +108,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def mtp_forward(self, depth: int, input_ids, positions, prev_hidden, meta: AttentionMetadata,
                     kv_cache: torch.Tensor | None, output_index: torch.Tensor | None = None) -> torch.Tensor:

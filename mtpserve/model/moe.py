@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
-from mtpserve.model.layers import MLP, silu_and_mul
+from mtpserve.model.layers import MLP, linear, silu_and_mul
 
 # Up to this many (token, expert) choices, each token runs its experts on its own: fewer ops than grouping
 # tokens by expert, and on small batches the per-op cost, not the weight reads, dominates.
@@ -119,7 +119,7 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
         if count:
             chosen = order[start:start + count]
             rows = token_of[start:start + count]
-            y = F.linear(silu_and_mul(F.linear(x[rows], w13[expert])), w2[:, expert])
+            y = linear(silu_and_mul(linear(x[rows], w13[expert])), w2[:, expert])
             out.index_add_(0, rows, y * flat_weights[chosen].unsqueeze(-1))
             start += count
     return out
