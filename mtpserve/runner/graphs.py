@@ -84,7 +84,8 @@ class GraphRunner:
     @staticmethod
     def _inputs(buf, bucket: int) -> list:
         table = buf[4][:, :bucket]
-        torch._dynamo.mark_dynamic(table, 1)   # one graph for every KV bucket
+        if buf[4].shape[1] > 1:   # (a one-block table has a single bucket; dynamo specializes size 1)
+            torch._dynamo.mark_dynamic(table, 1)   # one graph for every KV bucket
         return buf[:4] + [table] + buf[5:]
 
     def _fill(self, buf, n, q, input_ids, positions, seq_lens, slots, tables, prev_hidden, output_index):
