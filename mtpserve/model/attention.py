@@ -56,7 +56,11 @@ class AttentionMetadata:
         self.token_col = torch.arange(num_tokens, device=device) - qsl[:-1][self.token_row]
         query_pos = torch.full((len(query_lens), self.max_query_len), -1, dtype=torch.long, device=device)
         query_pos[self.token_row, self.token_col] = positions
-        key_idx = torch.arange(self.max_seq_len, device=device)
+        return self.set_mask(query_pos)
+
+    def set_mask(self, query_pos: torch.Tensor) -> "AttentionMetadata":
+        """query_pos: [B, max_q] position of each query token, -1 for padding."""
+        key_idx = torch.arange(self.max_seq_len, device=query_pos.device)
         mask = (key_idx[None, None, :] <= query_pos[:, :, None]) & (key_idx[None, None, :] < self.seq_lens[:, None, None])
         mask[..., 0] |= ~mask.any(-1)  # padding rows attend to one key instead of none (no NaN); dropped later
         self.mask = mask.unsqueeze(1)

@@ -15,19 +15,30 @@ class Row:
 
 
 def build_batch(rows: list[Row], block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    query_lens = [len(r.token_ids) for r in rows]
+    """Index arithmetic in Python lists, then one tensor each: a decode step's batch is a few dozen numbers,
+    and per-op costs (not the arithmetic) would dominate if it were done with tensor ops."""
+    max_query_len = max(len(r.token_ids) for r in rows)
     max_blocks = max(len(r.block_ids) for r in rows)
-    input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
-    positions = torch.cat([torch.arange(r.start, r.start + len(r.token_ids)) for r in rows])
-    block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in rows], dtype=torch.long)
-    row_of_token = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(query_lens))
-    slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
-    seq_lens = [r.start + n for r, n in zip(rows, query_lens)]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(device),
-        seq_lens=torch.tensor(seq_lens).to(device),
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-    positions = positions.to(device)
-    return input_ids.to(device), positions, meta.prepare(positions)
+    input_ids, positions, slots, query_start_loc, seq_lens, tables = [], [], [], [0], [], []
+    token_row, token_col, query_pos = [], [], []
+    for i, r in enumerate(rows):
+        n = len(r.token_ids)
+        pos = range(r.start, r.start + n)
+        input_ids += r.token_ids
+        positions += pos
+        slots += [r.block_ids[p // block_size] * block_size + p % block_size for p in pos]
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(r.start + n)
+        tables.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))
+        token_row += [i] * n
+        token_col += range(n)
+        query_pos.append(list(pos) + [-1] * (max_query_len - n))
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    meta = AttentionMetadata(query_start_loc=tensor(query_start_loc), seq_lens=tensor(seq_lens),
+                             slot_mapping=tensor(slots), block_tables=tensor(tables),
+                             max_query_len=max_query_len, max_seq_len=max(seq_lens),
+                             token_row=tensor(token_row), token_col=tensor(token_col))
+    return tensor(input_ids), tensor(positions), meta.set_mask(tensor(query_pos))
