@@ -146,7 +146,7 @@ class MLAttention(nn.Module):
 
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
-        kv = self.latent_kv(self.kv_a_proj_with_mqa(x), positions)
+        kv = self.latent_kv(linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias), positions)
         kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = kv.to(kv_cache.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
