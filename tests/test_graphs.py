@@ -40,3 +40,27 @@ def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec):
     assert counters["stats"]["unique_graphs"] == frames_after_warmup, "recompiled after warm-up"
     bm = graph.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_graph_mode_flags():
+    """--graph-mode asks for graphs (also on the CPU), --graph-batch-sizes sets the sizes, and asking for
+    graphs and for eager at once is refused."""
+    import argparse
+    from mtpserve.cli import add_engine_args, engine_kwargs
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kw = engine_kwargs(parser.parse_args(["--graph-mode", "--graph-batch-sizes", "1,4"]))
+    assert kw["enforce_eager"] is False and kw["graph_batch_sizes"] == [1, 4]
+    assert engine_kwargs(parser.parse_args([]))["enforce_eager"] is None   # default: graphs on CUDA only
+    with pytest.raises(SystemExit, match="choose one"):
+        engine_kwargs(parser.parse_args(["--graph-mode", "--enforce-eager"]))
+
+
+def test_kv_bucket_is_a_power_of_two_covering_the_kv():
+    from mtpserve.runner.graphs import GraphRunner
+    runner = GraphRunner(None, [], [], [1], block_size=16, max_span=200, device="cpu")   # 13 blocks at most
+    assert [runner.kv_bucket(n) for n in (1, 16, 17, 33, 64, 65, 129, 200)] == [2, 2, 2, 4, 4, 8, 13, 13]
+    for kv_len in range(1, 201):
+        bucket = runner.kv_bucket(kv_len)
+        assert bucket * 16 >= kv_len and bucket <= 13
+        assert bucket == 13 or (bucket >= 2 and bucket & (bucket - 1) == 0)
