@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never use graphs (default: graphs on CUDA, eager on CPU)")
     p.add_argument("--graph-mode", action="store_true",
                    help="compiled decode steps also on the CPU (faster decode; ~10-100 s of compiling at start-up)")
-    p.add_argument("--graph-batch-sizes", default=None, help="comma list (default: 1,2,4,8,16,32)")
+    p.add_argument("--graph-batch-sizes", default=None,
+                   help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -191,6 +191,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--enforce-eager", action="store_true", default=None, help="never use graphs (default: graphs on CUDA, eager on CPU)")
     a("--graph-mode", action="store_true",
       help="compiled decode steps also on the CPU (faster decode; ~10-100 s of compiling at start-up)")
+    a("--graph-batch-sizes", default=None, help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
     a("--dtype", default="auto")
     a("--seed", type=int, default=0)
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
@@ -215,6 +216,8 @@ def build_engine(args):
                   num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.graph_batch_sizes:
+        kwargs["graph_batch_sizes"] = [int(b) for b in args.graph_batch_sizes.split(",")]
     return LLMEngine.from_kwargs(**kwargs)
 
 
