@@ -20,26 +20,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    add_graph_args(p)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_graph_args(p: argparse.ArgumentParser) -> None:
+    """Graph-mode flags, shared by generate and serve (see graph_kwargs)."""
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never use graphs (default: graphs on CUDA, eager on CPU)")
     p.add_argument("--graph-mode", action="store_true",
                    help="compiled decode steps also on the CPU (faster decode; ~10-100 s of compiling at start-up)")
     p.add_argument("--graph-batch-sizes", default=None,
                    help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
-    p.add_argument("--seed", type=int, default=0)
+
+
+def graph_kwargs(args) -> dict:
+    """--graph-mode / --enforce-eager / --graph-batch-sizes as engine keyword arguments (generate and serve)."""
+    if args.graph_mode and args.enforce_eager:
+        raise SystemExit("--graph-mode and --enforce-eager: choose one")
+    kw = dict(enforce_eager=False if args.graph_mode else args.enforce_eager)
+    if args.graph_batch_sizes:
+        kw["graph_batch_sizes"] = [int(b) for b in args.graph_batch_sizes.split(",")]
+    return kw
 
 
 def engine_kwargs(args) -> dict:
-    if args.graph_mode and args.enforce_eager:
-        raise SystemExit("--graph-mode and --enforce-eager: choose one")
-    graphs = {}
-    if args.graph_batch_sizes:
-        graphs["graph_batch_sizes"] = [int(b) for b in args.graph_batch_sizes.split(",")]
     return dict(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, dtype=args.dtype,
-                device=args.device, enforce_eager=False if args.graph_mode else args.enforce_eager, seed=args.seed,
-                **graphs)
+                device=args.device, seed=args.seed, **graph_kwargs(args))
 
 
 def run_generate(args) -> None:

@@ -92,8 +92,8 @@ def run_bench(args) -> dict | None:
                                   if getattr(args, "synthetic_acceptance", None) is not None else "real")
     common.write_json(record, args.output_json)
     if args.bench_command == "latency" and args.plot_dir:
-        from mtpserve.bench import report
-        report.plot_latency(record, args.plot_dir)
+        from mtpserve.bench import plots
+        plots.plot_latency(record, args.plot_dir)
     return record
 
 

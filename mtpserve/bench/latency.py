@@ -167,8 +167,9 @@ def add_ratios(results: list[dict]) -> None:
         e = eager.get((r["batch_size"], r["k"], r["scorer"]))
         if r.get("mode") == "graph" and e is not None:
             r["graph_tpot_speedup_vs_eager"] = e["tpot_ms"]["mean"] / r["tpot_ms"]["mean"]
-            if r["k"]:   # the seed's "acceleration": eager no-MTP TPOT over this TPOT
-                r["tpot_speedup_vs_eager_no_mtp"] = base[(r["batch_size"], "eager")]["tpot_ms"]["mean"] / r["tpot_ms"]["mean"]
+            e0 = base.get((r["batch_size"], "eager"))
+            if r["k"] and e0 is not None:   # the seed's "acceleration": eager no-MTP TPOT over this TPOT
+                r["tpot_speedup_vs_eager_no_mtp"] = e0["tpot_ms"]["mean"] / r["tpot_ms"]["mean"]
 
 
 def print_table(results: list[dict]) -> None:

@@ -1,6 +1,8 @@
-"""PNG plots and docs/BENCHMARKS.md, generated from result JSON files (`mtpserve bench report`)."""
+"""docs/BENCHMARKS.md (and its plots), generated from result JSON files (`mtpserve bench report`)."""
 import json
 import os
+
+from mtpserve.bench.plots import plot_latency
 
 
 DEFINITIONS = """Definitions. **ITL**: time between consecutive engine steps that give a request tokens (one verify
@@ -12,60 +14,9 @@ accepted. **TPOT speedup**: TPOT(no MTP) / TPOT(config) at the same batch size. 
 (the default model is trained on such text) tokenized with the model's tokenizer."""
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def plot_latency(record: dict, plot_dir: str, prefix: str = "bench_") -> list[str]:
-    """speedup vs k, acceptance per position, TPOT vs batch size (with and without MTP)."""
-    plt = _plt()
-    rows = record["results"]["configs"]
-    rows = [r for r in rows if r.get("mode") == rows[0].get("mode")]   # two modes: plot the first
-    os.makedirs(plot_dir, exist_ok=True)
-    tag = " (SYNTHETIC acceptance)" if record.get("measurement_mode", "real") != "real" else ""
-    paths = []
-    batch_sizes = sorted({r["batch_size"] for r in rows})
-    scorers = sorted({r["scorer"] for r in rows if r["scorer"]}, key=lambda x: (x != "mqa", x))   # mqa first
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for bs in batch_sizes:
-        for sc in scorers:
-            pts = sorted((r["k"], r.get("tpot_speedup") or 1.0) for r in rows
-                         if r["batch_size"] == bs and (r["scorer"] == sc or r["k"] == 0))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch {bs}, {sc}")
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set(xlabel="k (num_speculative_tokens)", ylabel="TPOT speedup vs no MTP", title="Speedup vs k" + tag)
-    ax.set_xticks(sorted({r["k"] for r in rows}))
-    ax.legend(fontsize=7)
-    paths.append(_save(fig, plot_dir, prefix + "speedup_vs_k.png"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        if r["k"] and r["batch_size"] == batch_sizes[0] and r["scorer"] == scorers[0]:
-            pos = r["acceptance_per_position"]
-            ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"k={r['k']}")
-    ax.set(xlabel="draft position", ylabel="fraction of drafts accepted", ylim=(0, 1.05),
-           title=f"Acceptance per position (batch {batch_sizes[0]}, {scorers[0] if scorers else ''})" + tag)
-    ax.legend(fontsize=7)
-    paths.append(_save(fig, plot_dir, prefix + "acceptance_per_position.png"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for k in sorted({r["k"] for r in rows}):
-        pts = sorted((r["batch_size"], r["tpot_ms"]["mean"]) for r in rows
-                     if r["k"] == k and (k == 0 or r["scorer"] == scorers[0]))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="no MTP" if k == 0 else f"MTP k={k} ({scorers[0]})")
-    ax.set(xlabel="batch size", ylabel="TPOT (ms)", xscale="log", title="TPOT vs batch size" + tag)
-    ax.legend(fontsize=7)
-    paths.append(_save(fig, plot_dir, prefix + "tpot_vs_batch.png"))
-    return paths
-
-
-def _save(fig, plot_dir: str, name: str) -> str:
-    path = os.path.join(plot_dir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _plt().close(fig)
-    return path
+def _mode(rec: dict) -> str:
+    """How the run's engines ran when it had one mode: its --graph-mode flag."""
+    return "graph" if rec.get("args", {}).get("graph_mode") else "eager"
 
 
 def _f(v, fmt="{:.2f}"):
@@ -81,7 +32,7 @@ def latency_tables(rec: dict) -> list[str]:
     seed_bs = min(r["batch_size"] for r in rows)
     modes = list(dict.fromkeys(r.get("mode") for r in rows))
     for m in modes:
-        mode = m or ("graph mode" if "--graph-mode" in rec["command"] else "eager")
+        mode = m or ("graph mode" if _mode(rec) == "graph" else "eager")
         out += [f"Seed-style table (batch {seed_bs}, {mode}):", "",
                 "| config | ITL ms | TPOT ms | acceptance rate | mean acceptance length | TPOT speedup | ITL vs no MTP |",
                 "|---|---|---|---|---|---|---|"]
@@ -121,7 +72,7 @@ def peers_table(rec: dict) -> list[str]:
     bs = r["batch_size"]
     out = [f"Command: `{rec['command']}`", "", f"{r['num_single']} prompts one at a time (batch 1) and {bs} at once; "
            f"input {r['input_len']}, output {r['output_len']} tokens, greedy, {r.get('dtype', 'float32')} for "
-           f"both{', ours in graph mode' if '--graph-mode' in rec['command'] else ''}.", "",
+           f"both{', ours in graph mode' if _mode(rec) == 'graph' else ''}.", "",
            "| system | batch 1 tok/s | batch " + str(bs) + " tok/s | greedy tokens identical to ours (no MTP) |",
            "|---|---|---|---|"]
     for name, v in r["ours"].items():
@@ -222,9 +173,9 @@ def targets(recs: list[dict]) -> list[str]:
     lat = [r for r in recs if r["benchmark"] == "latency" and r.get("measurement_mode", "real") == "real"]
     for rec in lat:
         rows = rec["results"]["configs"]
-        dtype = rec["command"].split("--dtype ")[1].split()[0] if "--dtype " in rec["command"] else "auto"
+        dtype = rec.get("args", {}).get("dtype", "auto")
         for m in dict.fromkeys(r.get("mode") for r in rows):
-            where = f"{m or ('graph' if '--graph-mode' in rec['command'] else 'eager')}, {dtype}"
+            where = f"{m or _mode(rec)}, {dtype}"
             mrows = [r for r in rows if r.get("mode") == m]
             b1 = [r for r in mrows if r["batch_size"] == 1 and r["k"] and r["scorer"] == "mqa"]
             k1 = next((r for r in b1 if r["k"] == 1), None)
@@ -252,7 +203,7 @@ def targets(recs: list[dict]) -> list[str]:
         if rec["benchmark"] == "peers":
             r = rec["results"]
             bs = r["batch_size"]
-            where = f"{r.get('dtype', 'float32')}{', graph mode' if '--graph-mode' in rec['command'] else ''}"
+            where = f"{r.get('dtype', 'float32')}{', graph mode' if _mode(rec) == 'graph' else ''}"
             for name, want in ((f"ours_no_mtp_batch1_vs_hf_batch1", 3.0), (f"ours_no_mtp_batch{bs}_vs_hf_batch{bs}", 5.0)):
                 if name in r["ratios"]:
                     v = r["ratios"][name]

@@ -25,10 +25,9 @@ def run_throughput(model: str, spec: dict | None, num_prompts: int, input_len: i
 
 
 def base_dtype(name: str):
-    """Our --dtype name as a torch dtype for transformers ("auto" is float32 on the CPU, as ours)."""
-    import torch
+    """Our --dtype name as a torch dtype for transformers (as ours resolves it on the CPU)."""
     from mtpserve.engine.engine import resolve_device_dtype
-    return resolve_device_dtype("cpu", name)[1] if name != "auto" else torch.float32
+    return resolve_device_dtype("cpu", name)[1]
 
 
 def run_peer_comparison(model: str, k: int, input_len: int, output_len: int, batch: int, num_single: int,

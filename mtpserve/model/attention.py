@@ -157,13 +157,13 @@ class MLAttention(nn.Module):
         q = q.view(n, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.rotary[0](positions, q_pe)
-        kv_new = self.latent_kv(kv_a, positions)
 
         batch = meta.seq_lens.shape[0]
         if kv_cache is None:
-            keys = kv_new.view(batch, meta.max_seq_len, -1)
+            keys = self.latent_kv(kv_a, positions).view(batch, meta.max_seq_len, -1)
         else:
-            if meta.slot_mapping is not None:
+            if meta.slot_mapping is not None:   # (None: the caller wrote this batch's KV already)
+                kv_new = self.latent_kv(kv_a, positions)
                 kv_cache.view(-1, kv_cache.shape[-1])[meta.slot_mapping] = kv_new.to(kv_cache.dtype)
             num_blocks = -(-meta.max_seq_len // kv_cache.shape[1])
             tables = meta.block_tables[:, :num_blocks]

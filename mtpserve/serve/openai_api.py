@@ -176,6 +176,7 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from mtpserve.cli import add_graph_args
     a = parser.add_argument
     a("--model", default=None, help="HF checkpoint directory (default: the shipped default model)")
     a("--host", default="127.0.0.1")
@@ -188,10 +189,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--max-model-len", type=int, default=None)
     a("--max-num-batched-tokens", type=int, default=None)
     a("--num-kv-blocks", type=int, default=None)
-    a("--enforce-eager", action="store_true", default=None, help="never use graphs (default: graphs on CUDA, eager on CPU)")
-    a("--graph-mode", action="store_true",
-      help="compiled decode steps also on the CPU (faster decode; ~10-100 s of compiling at start-up)")
-    a("--graph-batch-sizes", default=None, help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
+    add_graph_args(parser)
     a("--dtype", default="auto")
     a("--seed", type=int, default=0)
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
@@ -202,6 +200,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_engine(args):
+    from mtpserve.cli import graph_kwargs
     from mtpserve.engine.engine import LLMEngine
     spec = None
     if args.speculative_config:
@@ -209,15 +208,11 @@ def build_engine(args):
             spec = json.loads(args.speculative_config)
         except ValueError as e:
             raise SystemExit(f"--speculative-config is not valid JSON: {e}")
-    if args.graph_mode and args.enforce_eager:
-        raise SystemExit("--graph-mode and --enforce-eager: choose one")
-    kwargs = dict(model=args.model, speculative_config=spec, enforce_eager=False if args.graph_mode else args.enforce_eager,
+    kwargs = dict(model=args.model, speculative_config=spec, **graph_kwargs(args),
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.graph_batch_sizes:
-        kwargs["graph_batch_sizes"] = [int(b) for b in args.graph_batch_sizes.split(",")]
     return LLMEngine.from_kwargs(**kwargs)
 
 
