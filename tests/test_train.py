@@ -163,3 +163,42 @@ def test_greedy_acceptance_prediction():
         assert seq == list(range(3, 18))
         rows = greedy_acceptance(model, seq, 3, 2)
         assert len(rows) == len(seq) - 3 - 2 and all(r == expect for r in rows)
+
+
+def test_grow_layers_plan_and_function_preserved(tmp_path):
+    """Depth up-scaling: old layers keep their order and kind, each new layer copies its nearest earlier
+    layer of the same kind with zeroed output projections, so the grown model computes the same logits
+    (main and MTP); a checkpoint round trip keeps the new layer count and dense/MoE split."""
+    import json
+
+    from mtpserve.model.loader import load_model
+    from mtpserve.train import grow
+    from tiny_models import random_checkpoint
+
+    assert grow.layer_plan(4, 2, 12, 4) == [(0, False), (0, True), (1, False), (1, True), (2, False), (2, True),
+                                            (2, True), (2, True), (3, False), (3, True), (3, True), (3, True)]
+    assert grow.slot_sources(3, 3) == [0, 1, 2] and grow.slot_sources(2, 3) == [0, 1, 1]
+    with pytest.raises(ValueError):
+        grow.slot_sources(3, 2)
+
+    path = random_checkpoint(tmp_path / "base", num_hidden_layers=3, first_k_dense_replace=1,
+                             num_nextn_predict_layers=2)
+    base = load_model(path, torch.float32)
+    cfg = json.loads((tmp_path / "base" / "config.json").read_text())
+    grown, grown_cfg = grow.grow(base, cfg, new_layers=7, new_dense=2)
+    assert grown.config.num_hidden_layers == 7 and grown.config.first_k_dense_replace == 2
+    assert [grown.config.is_moe_layer(i) for i in range(7)] == [False, False] + [True] * 5
+    zeroed = grown.model.layers[1].mlp.down_proj.weight
+    assert torch.count_nonzero(zeroed) == 0 and torch.count_nonzero(grown.model.layers[0].mlp.down_proj.weight)
+    ids = torch.randint(2, cfg["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h_base, h_grown = base.forward_dense(ids), grown.forward_dense(ids)
+        assert torch.equal(base.compute_logits(h_base), grown.compute_logits(h_grown))
+        for d in range(2):
+            m_base, m_grown = base.mtp_forward_dense(d, ids, h_base), grown.mtp_forward_dense(d, ids, h_grown)
+            assert torch.equal(base.mtp_logits(d, m_base), grown.mtp_logits(d, m_grown))
+    # training on it moves the new layers away from identity
+    from mtpserve.train import loss as loss_mod
+    grown.train()
+    loss_mod.mtp_objective(grown, ids, 2, 0.3).loss.backward()
+    assert grown.model.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0

@@ -53,6 +53,13 @@ def build_model(args, tok) -> DeepseekV3ForCausalLM:
             raise SystemExit(f"--init {args.init}: vocab_size {base.config.vocab_size} does not match "
                              f"the tokenizer's {tok.get_vocab_size()}")
         cfg_dict = json.loads((Path(args.init) / "config.json").read_text())
+        if args.grow_layers:
+            if base.num_mtp_layers != args.mtp_depth:
+                raise SystemExit("--grow-layers keeps the checkpoint's MTP modules: pass its --mtp-depth")
+            from mtpserve.train.grow import grow
+            model, cfg_dict = grow(base, cfg_dict, args.grow_layers, args.grow_first_dense)
+            model.hf_config = cfg_dict
+            return model
         if base.num_mtp_layers == args.mtp_depth:
             base.hf_config = cfg_dict
             return base

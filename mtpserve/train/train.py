@@ -35,6 +35,9 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=4096)
     g = p.add_argument_group("model")
     g.add_argument("--init", default=None, help="start from this checkpoint directory (needed by --freeze-main)")
+    g.add_argument("--grow-layers", type=int, default=0,
+                   help="depth up-scale the --init model to this many main layers (train/grow.py)")
+    g.add_argument("--grow-first-dense", type=int, default=2, help="first_k_dense_replace of the grown model")
     g.add_argument("--hidden-size", type=int, default=256)
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--heads", type=int, default=8)
@@ -115,6 +118,8 @@ def run_train(args) -> dict:
         os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
     if args.freeze_main and not args.init:
         raise SystemExit("--freeze-main needs --init DIR (the checkpoint whose main model is kept)")
+    if args.grow_layers and not args.init:
+        raise SystemExit("--grow-layers needs --init DIR (the checkpoint to grow)")
     torch.manual_seed(args.seed)
     out = Path(args.out)
     run_dir = Path(args.run_dir or Path("runs") / f"train-{out.name}")
