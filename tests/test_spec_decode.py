@@ -184,3 +184,36 @@ def test_synthetic_acceptance_rate_is_what_was_asked(random_ckpt):
     m = llm.get_metrics()
     first, second = (a / m["num_drafts"] for a in m["accepted_per_position"])
     assert 0.4 < first < 0.6 and 0.15 < second < 0.35
+
+
+def dense_drafts(model, tokens: list[int], k: int) -> list[int]:
+    """Greedy drafts after `tokens` from a dense recomputation: depth j+1 at position p takes the embedding of
+    t[p+j+1] and depth j's output at p (depth 0: the main model's hidden state); the last position's output
+    is the draft, which the next depth reads as its newest token."""
+    n = len(tokens) - 1   # positions whose main hidden state exists
+    with torch.no_grad():
+        prev = model.forward_dense(torch.tensor([tokens[:n]]))
+        seq = list(tokens)
+        for j in range(k):
+            prev = model.mtp_forward_dense(j, torch.tensor([seq[j + 1:j + 1 + n]]), prev)
+            seq.append(int(model.mtp_logits(j, prev[0, -1]).argmax()))
+    return seq[len(tokens):]
+
+
+def test_chained_drafts_equal_dense_recomputation(trained3):
+    """Each depth with a layer of its own runs over the accepted positions, fed the previous depth's outputs
+    (the last depth only at the position read): every step's drafts are those of the dense formula."""
+    llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    runner, checked = llm.engine.runner, []
+    propose = runner.proposer.propose
+
+    def recording(scheduled, hidden, offsets, results):
+        propose(scheduled, hidden, offsets, results)
+        for s, r in zip(scheduled, results):
+            if r.next_drafts is not None:
+                context = s.req.all_token_ids + r.new_token_ids
+                checked.append(r.next_drafts == dense_drafts(runner.model, context, 3))
+
+    runner.proposer.propose = recording
+    llm.generate(prompt_token_ids=prompts_for()[:3], sampling_params=GREEDY, use_tqdm=False)
+    assert len(checked) > 10 and all(checked)

@@ -66,8 +66,11 @@ class MTPProposer:
                 known = [t + [d] for t, d in zip(known, drafts[-1].tolist())]
                 step_rows = [Row(t[r.start + 1 + j:r.start + 1 + j + len(r.token_ids)], r.start, r.block_ids)
                              for t, r in zip(known, chain_rows)]
-                chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
-                prev_hidden = chain_hidden[chain_last]
+                if j == k - 1:   # the last pass: its KV everywhere, its layer only where the draft is read
+                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=chain_last)
+                else:
+                    chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
+                    prev_hidden = chain_hidden[chain_last]
             else:   # a shared layer: one token at the next position, fed the previous pass's last output
                 step_rows = [Row([t], p, scheduled[i].req.block_ids)
                              for i, t, p in zip(drafting, drafts[-1].tolist(), next_pos)]
