@@ -277,13 +277,14 @@ def test_fused_for_inference_equals_unfused(name, tmp_path):
         assert m.experts[0].gate_proj.weight.data_ptr() == m.w13.data_ptr()
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 20])
-def test_moe_expert_paths_agree(num_tokens):
-    """The three ways to run the routed experts (per token, grouped by expert, all experts densely) give
-    the same output, and the dense one is not trivially zero for the experts not chosen."""
+@pytest.mark.parametrize("num_tokens, experts", [(1, 8), (2, 3), (3, 8), (20, 8)])
+def test_moe_expert_paths_agree(num_tokens, experts):
+    """The three ways to run the routed experts (a few tokens: every chosen expert on all of them, weighted
+    by zero where not chosen; many: grouped by expert; all experts densely) give the same output, also when
+    tokens share experts (3 experts, top-2), and the dense one is not trivially zero for the experts not chosen."""
     from mtpserve.model.moe import _all_experts, _hit_experts
     gen = torch.Generator().manual_seed(num_tokens)
-    experts, hidden, inter, k = 8, 16, 12, 2
+    hidden, inter, k = 16, 12, 2
     x = torch.randn(num_tokens, hidden, generator=gen)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
     w2 = torch.randn(hidden, experts, inter, generator=gen)

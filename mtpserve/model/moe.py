@@ -6,9 +6,9 @@ from torch import nn
 from mtpserve.config import ModelConfig
 from mtpserve.model.layers import MLP, linear, silu_and_mul
 
-# Up to this many (token, expert) choices, each token runs its experts on its own: fewer ops than grouping
-# tokens by expert, and on small batches the per-op cost, not the weight reads, dominates.
-PER_TOKEN_MAX_CHOICES = 8
+# Up to this many (token, expert) choices, every expert chosen runs on all the tokens: fewer ops than grouping
+# tokens by expert, and on small batches the per-op cost and the weight reads, not the FLOPs, dominate.
+FEW_CHOICES = 8
 # Up to this many tokens, a half-precision batch choosing at least half the experts runs all of them densely
 # (two GEMMs): cheaper than a GEMM pair per expert when weight reads and per-op costs, not FLOPs, dominate.
 DENSE_MAX_TOKENS = 16
@@ -99,16 +99,16 @@ class MoE(nn.Module):
 def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     """Runs each expert that some token chose on those tokens only, weighted by its routing weight.
     w13: [E, 2I, H]; w2: [H, E, I]."""
-    if ids.numel() <= PER_TOKEN_MAX_CHOICES:   # a few tokens (decode, verify at small batch): fewer ops
-        outputs = []
-        for t, experts in enumerate(ids.tolist()):
-            token = x[t:t + 1]
-            out = None
-            for j, expert in enumerate(experts):
-                y = F.linear(silu_and_mul(F.linear(token, w13[expert])), w2[:, expert]) * weights[t:t + 1, j:j + 1]
-                out = y if out is None else out + y
-            outputs.append(out)
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    if ids.numel() <= FEW_CHOICES:
+        # A few tokens (decode; verify at small batch): each expert chosen by any of them runs once on all of
+        # them (a GEMM of a few columns costs about what one column does), weighted by a routing weight that
+        # is zero for the tokens that did not choose it.
+        routing = torch.zeros(ids.shape[0], len(w13), dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+        out = None
+        for expert in dict.fromkeys(ids.flatten().tolist()):
+            y = linear(silu_and_mul(linear(x, w13[expert])), w2[:, expert]) * routing[:, expert:expert + 1]
+            out = y if out is None else out + y
+        return out
     flat_ids = ids.flatten()
     order = flat_ids.argsort()
     token_of = order // ids.shape[1]

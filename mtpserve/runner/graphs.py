@@ -11,6 +11,7 @@ inductor-compiled kernel. Anything else (prefill chunks, batches above the large
 same loop.
 """
 import time
+import types
 
 import torch
 import torch._dynamo
@@ -28,12 +29,15 @@ class GraphRunner:
         self.max_blocks = -(-max_span // block_size)
         self.graphs: dict[tuple, tuple] = {}    # (what, batch, query_len) -> (compiled fn, static buffers)
         self.compile_seconds = 0.0
-        mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+        self.cuda_graphs = torch.device(device).type == "cuda"
+        mode = "reduce-overhead" if self.cuda_graphs else None
         # every (what, batch, query length) graph is one more compiled version of the same step function
         limit = 4 * len(self.batch_sizes) * 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
-        self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True)
+        self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True,
+                                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
+                                                          "size_asserts": False})
 
     def padded_size(self, num_rows: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= num_rows), None)
@@ -59,22 +63,33 @@ class GraphRunner:
         n, q = len(rows), len(rows[0].token_ids)
         batch = self.padded_size(n)
         fn, buf = self._graph(what, batch, q)
-        starts = [r.start for r in rows]
-        bucket = self.kv_bucket(max(starts) + q)
-        positions = torch.arange(q) + torch.tensor(starts).unsqueeze(1)
-        tables = torch.zeros(n, bucket, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids = r.block_ids[:bucket]
-            tables[i, :len(ids)] = torch.tensor(ids)
-        slots = tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
-        self._fill(buf, n, q, torch.tensor([r.token_ids for r in rows]).flatten(), positions.flatten(),
-                   torch.tensor([s + q for s in starts]), slots.flatten(), tables, prev_hidden, output_index)
-        # Every graph was built at warm-up and the buffers never change: only the guards that tell the graphs
-        # apart need checking (the full guard set costs more than a small model's whole step on the CPU).
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            out = fn(*self._inputs(buf, bucket))
-        # a copy: a CUDA graph's output memory is overwritten by its next replay
-        return out[:n].clone() if output_index is not None else out[:n * q].clone()
+        bucket = self.kv_bucket(max(r.start for r in rows) + q)
+        # Index arithmetic in Python lists, one copy per buffer: per-op costs dominate a small decode step.
+        # Padding rows have KV length 0 and slot -1 (their writes land in the null block).
+        bs, pad = self.block_size, batch - n
+        ids, positions, slots, seq_lens, tables = [], [], [], [], []
+        for r in rows:
+            span = range(r.start, r.start + q)
+            ids += r.token_ids
+            positions += span
+            slots += [r.block_ids[p // bs] * bs + p % bs for p in span]
+            seq_lens.append(r.start + q)
+            blocks = r.block_ids[:bucket]
+            tables += blocks + [0] * (bucket - len(blocks))
+        ids_b, pos_b, seq_b, slot_b, table_b, hid_b, index_b = buf
+        for target, values, fill in ((ids_b, ids, 0), (pos_b, positions, 0), (slot_b, slots, -1),
+                                     (seq_b, seq_lens, 0)):
+            target.copy_(torch.tensor(values + [fill] * (len(target) - len(values))))
+        table = table_b[:, :bucket]
+        table.copy_(torch.tensor(tables + [0] * (pad * bucket)).view(batch, bucket))
+        if hid_b is not None:
+            hid_b[:n * q].copy_(prev_hidden)
+        if index_b is not None:   # padding rows read their own first token
+            index_b.copy_(torch.tensor(output_index + [i * q for i in range(n, batch)]))
+        out = fn(ids_b, pos_b, seq_b, slot_b, table, hid_b, index_b)
+        out = out[:n] if output_index is not None else out[:n * q]
+        # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
+        return out.clone() if self.cuda_graphs else out
 
     def kv_bucket(self, kv_len: int) -> int:
         """Blocks in the table a graph sees: the next power of two (at least 2) covering kv_len tokens."""
@@ -87,24 +102,6 @@ class GraphRunner:
         if buf[4].shape[1] > 1:   # (a one-block table has a single bucket; dynamo specializes size 1)
             torch._dynamo.mark_dynamic(table, 1)   # one graph for every KV bucket
         return buf[:4] + [table] + buf[5:]
-
-    def _fill(self, buf, n, q, input_ids, positions, seq_lens, slots, tables, prev_hidden, output_index):
-        ids_b, pos_b, seq_b, slot_b, table_b, hid_b, index_b = buf
-        ids_b.zero_()
-        pos_b.zero_()
-        seq_b.zero_()          # padding rows: KV length 0 ...
-        slot_b.fill_(-1)       # ... and their writes land in the null block
-        ids_b[:n * q].copy_(input_ids)
-        pos_b[:n * q].copy_(positions)
-        seq_b[:n].copy_(seq_lens)
-        slot_b[:n * q].copy_(slots)
-        table_b.zero_()
-        table_b[:n, :tables.shape[1]].copy_(tables)
-        if hid_b is not None:
-            hid_b[:n * q].copy_(prev_hidden)
-        if index_b is not None:   # padding rows read their own first token
-            index_b.copy_(torch.arange(len(index_b)) * q)
-            index_b[:n].copy_(torch.tensor(output_index))
 
     def _graph(self, what: str, batch: int, q: int):
         key = (what, batch, q)
@@ -130,7 +127,10 @@ class GraphRunner:
                 return model(input_ids, positions, meta, main_caches)
             return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
 
-        fn = self._compile(step)
+        # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
+        # only entry of its cache and needs no guards to be told apart from the others.
+        code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")
+        fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__))
         start = time.perf_counter()
         # Compile now, and run every KV bucket once (on CUDA each is captured; on the CPU the one dynamic
         # kernel serves them all, but a table as wide as the whole buffer may still need its own variant), with
