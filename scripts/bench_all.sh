@@ -16,7 +16,7 @@ $B latency --batch-sizes 1,8,32 --ks 0,1,2,3,4 --scorers mqa,batch_expansion --i
 $B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
   --output-json $R/peers.json
 $B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --graph-mode \
-  --dtype bfloat16 --output-json $R/peers_bf16_graph.json
+  --output-json $R/peers_graph.json
 $B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
   --output-json $R/throughput_no_mtp.json
 $B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
@@ -39,6 +39,6 @@ for spec in none mtp_k2; do
   kill $server; wait $server || true
 done
 $B report --results $R/latency_b1_float32.json $R/latency_b1_bfloat16.json $R/latency.json $R/peers.json \
-  $R/peers_bf16_graph.json $R/throughput_no_mtp.json \
+  $R/peers_graph.json $R/throughput_no_mtp.json \
   $R/throughput_mtp_k2.json $R/serve_none_c{1,4,16}.json $R/serve_mtp_k2_c{1,4,16}.json $R/roofline.json $R/latency_synthetic_300m.json \
   --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md

@@ -295,3 +295,18 @@ def test_moe_expert_paths_agree(num_tokens, experts):
     assert max_diff(_hit_experts(x, weights, ids, w13, w2), ref) < 1e-4
     assert max_diff(_all_experts(x, weights, ids, w13, w2), ref) < 1e-4
     assert ref.abs().max() > 1.0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+def test_linear_equals_f_linear(rows):
+    """layers.linear picks its GEMM by row count and weight layout; every choice computes F.linear."""
+    from mtpserve.model.layers import linear
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 24, generator=gen)
+    stacked = torch.randn(40, 3, 24, generator=gen)
+    bias = torch.randn(40, generator=gen)
+    for weight in (stacked[:, 0].contiguous(), stacked[:, 1]):   # contiguous, and a strided view
+        for b in (None, bias):
+            out = linear(x, weight, b)
+            assert out.shape == (rows, 40) and out.is_contiguous()
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b))
