@@ -18,8 +18,25 @@ def ckpt(tmp_path_factory):
     return trained_checkpoint(tmp_path_factory.mktemp("graphs"), num_mtp_layers=1)
 
 
+@pytest.fixture(scope="module")
+def ckpt2(tmp_path_factory):
+    return trained_checkpoint(tmp_path_factory.mktemp("graphs2"), num_mtp_layers=2)
+
+
 @pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "mtp-k2"])
 def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec):
+    check_graph_mode(ckpt, spec)
+
+
+def test_graph_mode_two_mtp_layers(ckpt2):
+    """A checkpoint with two MTP layers: graph mode drafts every depth with layer 0 (no graph for layer 1),
+    still lossless and accepting."""
+    graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3})
+    assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "mtp0"}
+    assert graph.get_metrics()["acceptance_rate"] > 0.3
+
+
+def check_graph_mode(ckpt, spec):
     eager = LLM(ckpt, speculative_config=spec, enforce_eager=True)
     graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1, 2, 4], max_model_len=64)
     assert graph.engine.graph_warmup_seconds > 0
@@ -40,6 +57,7 @@ def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec):
     assert counters["stats"]["unique_graphs"] == frames_after_warmup, "recompiled after warm-up"
     bm = graph.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    return graph
 
 
 def test_graph_mode_flags():

@@ -74,8 +74,7 @@ class ModelRunner:
         shapes = [("main", 1 + k)]
         if k:
             shapes.append(("mtp0", 1 + k))
-            shapes += [(f"mtp{layer}", 1) for layer in sorted({j if j < self.model.num_mtp_layers else 0
-                                                               for j in range(1, k)})]
+            shapes += [("mtp0", 1)] if k > 1 else []   # graph mode drafts every depth with layer 0
         self.graphs.warm_up(shapes)
         return self.graphs.compile_seconds
 

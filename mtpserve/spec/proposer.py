@@ -7,8 +7,8 @@ last position gives draft 1. Pass j uses MTP layer j if the checkpoint has it, e
 (DeepSeek-V3 ships one, so all passes share it and its cache) runs one token at the next position, fed draft j
 and the previous pass's output hidden state. A layer of its own runs as it was trained: over the same
 positions as pass 0, fed the previous depth's outputs there and the tokens shifted by j+1 (the last one being
-draft j), which also fills its own cache where it belongs. Slots written past the accepted length are never
-read before being overwritten.
+draft j), which also fills its own cache where it belongs. Graph mode uses layer 0 for every depth. Slots
+written past the accepted length are never read before being overwritten.
 """
 import torch
 
@@ -42,7 +42,10 @@ class MTPProposer:
                 drafting.append(i)
         # A checkpoint with its own layer for depth j+1 runs it as trained: over the same positions as depth 1,
         # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
-        chain = not static and min(k, self.model.num_mtp_layers) > 1
+        # Graph mode (static shapes) drafts every depth with layer 0, one token per pass (DeepSeek-V3 ships one
+        # layer); its graphs have no chained variant, and a layer it ran only now and then would attend over a
+        # cache it never filled.
+        chain = not self.static_shapes and min(k, self.model.num_mtp_layers) > 1
         out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=None if chain else last)
         if not drafting:   # prompt chunks only: the pass just filled the MTP cache
             return
@@ -59,7 +62,7 @@ class MTPProposer:
             chain_last = (ends - 1).tolist()
             chain_hidden = out[[t for i, n in zip(drafting, sizes) for t in range(last[i] - n + 1, last[i] + 1)]]
             known = [scheduled[i].req.all_token_ids + results[i].new_token_ids for i in drafting]
-        num_layers = self.model.num_mtp_layers
+        num_layers = 1 if self.static_shapes else self.model.num_mtp_layers
         for j in range(1, k):
             layer = j if j < num_layers else 0
             if chain and layer == j:   # depth j+1 at position p: embedding of t[p+j+1], depth j's output at p
