@@ -38,13 +38,13 @@ class AttentionMetadata:
     mask: torch.Tensor | None = None        # [B, 1, max_q, max_kv] True = may attend
     keys_buffer: torch.Tensor | None = None  # eager only: gathered cache blocks, reused layer after layer
 
-    def select(self, index: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":
-        """Metadata for one query token per request (`index`: one flat token index per request), attending
-        to the same KV, which the caller has written already; causality comes from the positions."""
+    def select(self, index: torch.Tensor) -> "AttentionMetadata":
+        """Metadata for one query token per request (`index`: one flat token index per request, in request
+        order), attending to the same KV, which the caller has written already: each token keeps its mask row."""
         batch = self.seq_lens.shape[0]
-        meta = AttentionMetadata(torch.arange(batch + 1, device=index.device), self.seq_lens,
-                                 None, self.block_tables, 1, self.max_seq_len)
-        return meta.prepare(positions[index])
+        mask = self.mask.squeeze(1)[self.token_row[index], self.token_col[index]].view(batch, 1, 1, -1)
+        return AttentionMetadata(torch.arange(batch + 1, device=index.device), self.seq_lens, None,
+                                 self.block_tables, 1, self.max_seq_len, mask=mask)
 
     def prepare(self, positions: torch.Tensor) -> "AttentionMetadata":
         device = positions.device

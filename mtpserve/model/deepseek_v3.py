@@ -51,7 +51,7 @@ class MTPLayer(DecoderLayer):
         if output_index is None or kv_cache is None:
             return super().forward(x, positions, meta, kv_cache)
         self.self_attn.write_kv(self.input_layernorm(x), positions, meta.slot_mapping, kv_cache)
-        return super().forward(x[output_index], positions[output_index], meta.select(output_index, positions), kv_cache)
+        return super().forward(x[output_index], positions[output_index], meta.select(output_index), kv_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(self.shared_head.norm(hidden), self.shared_head.head.weight).float()
