@@ -48,7 +48,7 @@ class MTPLayer(DecoderLayer):
         write their KV; attention and MoE run for the wanted tokens alone (exact: nothing else reads them)."""
         x = linear(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1),
                    self.eh_proj.weight)
-        if output_index is None or kv_cache is None:
+        if output_index is None or kv_cache is None or len(output_index) == x.shape[0]:   # (all wanted)
             return super().forward(x, positions, meta, kv_cache)
         self.self_attn.write_kv(self.input_layernorm(x), positions, meta.slot_mapping, kv_cache)
         return super().forward(x[output_index], positions[output_index], meta.select(output_index), kv_cache)
