@@ -31,7 +31,7 @@ class GraphRunner:
         self.compile_seconds = 0.0
         self.cuda_graphs = torch.device(device).type == "cuda"
         mode = "reduce-overhead" if self.cuda_graphs else None
-        # every (what, batch, query length) graph is one more compiled version of the same step function
+        # each graph has a code object of its own (see _build); the limits only matter if one recompiles
         limit = 4 * len(self.batch_sizes) * 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
