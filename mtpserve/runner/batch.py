@@ -13,6 +13,11 @@ class Row:
     start: int
     block_ids: list[int]
 
+    def slots(self, block_size: int) -> list[int]:
+        """Cache slot (block * block_size + offset) of each of the row's tokens."""
+        return [self.block_ids[p // block_size] * block_size + p % block_size
+                for p in range(self.start, self.start + len(self.token_ids))]
+
 
 def build_batch(rows: list[Row], block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Index arithmetic in Python lists, then one tensor each: a decode step's batch is a few dozen numbers,
@@ -26,7 +31,7 @@ def build_batch(rows: list[Row], block_size: int, device) -> tuple[torch.Tensor,
         pos = range(r.start, r.start + n)
         input_ids += r.token_ids
         positions += pos
-        slots += [r.block_ids[p // block_size] * block_size + p % block_size for p in pos]
+        slots += r.slots(block_size)
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(r.start + n)
         tables.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))

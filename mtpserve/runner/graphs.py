@@ -31,10 +31,6 @@ class GraphRunner:
         self.compile_seconds = 0.0
         self.cuda_graphs = torch.device(device).type == "cuda"
         mode = "reduce-overhead" if self.cuda_graphs else None
-        # each graph has a code object of its own (see _build); the limits only matter if one recompiles
-        limit = 4 * len(self.batch_sizes) * 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
         self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True,
                                                  options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
                                                           "size_asserts": False})
@@ -66,13 +62,11 @@ class GraphRunner:
         bucket = self.kv_bucket(max(r.start for r in rows) + q)
         # Index arithmetic in Python lists, one copy per buffer: per-op costs dominate a small decode step.
         # Padding rows have KV length 0 and slot -1 (their writes land in the null block).
-        bs, pad = self.block_size, batch - n
         ids, positions, slots, seq_lens, tables = [], [], [], [], []
         for r in rows:
-            span = range(r.start, r.start + q)
             ids += r.token_ids
-            positions += span
-            slots += [r.block_ids[p // bs] * bs + p % bs for p in span]
+            positions += range(r.start, r.start + q)
+            slots += r.slots(self.block_size)
             seq_lens.append(r.start + q)
             blocks = r.block_ids[:bucket]
             tables += blocks + [0] * (bucket - len(blocks))
@@ -81,7 +75,7 @@ class GraphRunner:
                                      (seq_b, seq_lens, 0)):
             target.copy_(torch.tensor(values + [fill] * (len(target) - len(values))))
         table = table_b[:, :bucket]
-        table.copy_(torch.tensor(tables + [0] * (pad * bucket)).view(batch, bucket))
+        table.copy_(torch.tensor(tables + [0] * ((batch - n) * bucket)).view(batch, bucket))
         if hid_b is not None:
             hid_b[:n * q].copy_(prev_hidden)
         if index_b is not None:   # padding rows read their own first token
