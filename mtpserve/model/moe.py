@@ -80,6 +80,8 @@ class MoE(nn.Module):
             return out + _all_experts(x, weights, ids, self.w13, self.w2)
         if not compiling:
             return out + _hit_experts(x, weights, ids, self.w13, self.w2)
+        if ids.numel() <= FEW_CHOICES:
+            return out + _chosen_pairs(x, weights, ids, self.w13, self.w2)
         return out + routed_experts(x, weights, ids, self.w13, self.w2)
 
     @torch.no_grad()
@@ -123,6 +125,24 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
             out.index_add_(0, rows, y * flat_weights[chosen].unsqueeze(-1))
             start += count
     return out
+
+
+def _chosen_pairs(x, weights, ids, w13, w2) -> torch.Tensor:
+    """A CPU graph's few tokens: every (token, expert) choice as its own GEMM pair, the expert picked by a
+    scalar read inside the graph (needs dynamo's capture_scalar_outputs). No host loop, no per-op dispatch;
+    an expert two tokens chose is read twice."""
+    rows = []
+    for t in range(x.shape[0]):
+        out = None
+        for j in range(ids.shape[1]):
+            expert = ids[t, j].item()
+            torch._check(expert >= 0)
+            torch._check(expert < len(w13))
+            y = linear(silu_and_mul(linear(x[t:t + 1], w13.select(0, expert))), w2.select(1, expert))
+            y = y * weights[t:t + 1, j:j + 1]
+            out = y if out is None else out + y
+        rows.append(out)
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
 @torch.library.custom_op("mtpserve::routed_experts", mutates_args=())

@@ -130,7 +130,8 @@ class GraphRunner:
         # kernel serves them all, but a table as wide as the whole buffer may still need its own variant), with
         # padding rows only: no real KV is touched.
         buckets = sorted({self.kv_bucket(n * self.block_size) for n in range(1, self.max_blocks + 1)})
-        with torch.inference_mode():
+        # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
+        with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
             for bucket in buckets:
                 fn(*self._inputs(buf, bucket))
                 fn(*self._inputs(buf, bucket))
