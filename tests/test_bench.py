@@ -117,7 +117,9 @@ def test_bench_throughput_and_peers_and_report(ckpt, tmp_path):
     out = tmp_path / "BENCH.md"
     main(["bench", "report", "--results", str(tmp_path / "tp.json"), str(tmp_path / "peers.json"),
           "--out", str(out), "--plot-dir", str(tmp_path)])
-    assert "transformers generate" in out.read_text()
+    floor = pe["results"]["compute_floor"]
+    assert 0 < floor["ours_no_mtp_fraction_of_floor"] < 1 and 0 < floor["hf_fraction_of_floor"] < 1
+    assert "transformers generate" in out.read_text() and "Compute floor at batch 2" in out.read_text()
 
 
 def test_bench_serve(ckpt, tmp_path):
@@ -152,3 +154,41 @@ def test_bench_serve(ckpt, tmp_path):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         assert set(r[key]) == {"mean", "median", "p99"}
     assert r["spec_decode"]["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 24}])
+def test_active_weights_per_token_match_the_checkpoint_tensors(tmp_path, overrides):
+    # independent count from the stored tensors: every matrix of the main layers, less the routed experts a
+    # token does not use (n_routed - top_k of them per MoE layer), and the head
+    from conftest import read_safetensors
+    from mtpserve.bench import roofline
+    from mtpserve.config import ModelConfig
+    path = write_random_checkpoint(str(tmp_path / "m"), seed=0, **overrides)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = ModelConfig.from_dict(json.load(f))
+    assert cfg.n_routed_experts and cfg.first_k_dense_replace < cfg.num_hidden_layers   # both kinds of layer
+    tensors = read_safetensors(path)
+    layers = 0
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"] or int(parts[2]) >= cfg.num_hidden_layers or t.dim() != 2:
+            continue
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            if int(parts[parts.index("experts") + 1]) >= cfg.num_experts_per_tok:
+                continue
+        layers += t.numel()
+    got = roofline.active_weights_per_token(cfg)
+    assert got == {"layers": layers, "head": tensors["lm_head.weight"].numel()}
+
+
+def test_compute_floor_counts_every_fed_token():
+    from mtpserve.bench import roofline
+    from mtpserve.config import ModelConfig
+    with open("mtpserve/default_model/config.json") as f:
+        cfg = ModelConfig.from_dict(json.load(f))
+    w = roofline.active_weights_per_token(cfg)
+    f = roofline.compute_floor(cfg, batch=4, input_len=10, output_len=3, gemm_gflops=1.0)
+    # 4 x (10 prompt + 2 fed-back) tokens through the layers, 4 x 3 sampled tokens through the head
+    assert f["weight_flops"] == 2 * (48 * w["layers"] + 12 * w["head"])
+    assert f["floor_seconds"] == pytest.approx(f["weight_flops"] / 1e9)
+    assert f["max_output_tokens_per_s"] == pytest.approx(12 / f["floor_seconds"])

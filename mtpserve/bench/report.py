@@ -90,6 +90,14 @@ def peers_table(rec: dict) -> list[str]:
     elif m:
         out.append(f"| transformers generate(use_mtp=True) | failed: {m.get('error')} | | |")
     out += ["", "Ratios: " + ", ".join(f"{k} **{v:.2f}x**" for k, v in r["ratios"].items())]
+    f = r.get("compute_floor")
+    if f:
+        out += ["", f"Compute floor at batch {bs} (weight GEMM FLOPs of every prompt and generated token at this "
+                f"machine's best fp32 GEMM rate, {f['gemm_gflops']:.0f} GFLOP/s; attention, norms and per-op costs "
+                f"left out): {f['floor_seconds']:.2f} s, so at most **{f['max_output_tokens_per_s']:.0f} tok/s**, "
+                f"**{f['max_ratio_vs_hf']:.2f}x** transformers' measured batch-{bs} throughput. "
+                f"Ours runs at {100 * f['ours_no_mtp_fraction_of_floor']:.0f}% of that floor, transformers at "
+                f"{100 * f['hf_fraction_of_floor']:.0f}%."]
     return out
 
 

@@ -73,3 +73,51 @@ def run_roofline(model_path: str | None, input_len: int, output_len: int, num_it
     log(f"  {params / 1e6:.0f}M params: floor {floor_s * 1e3:.1f} ms/step, measured {step_s * 1e3:.1f} ms/step "
         f"({100 * floor_s / step_s:.0f}% of the bandwidth roofline)")
     return res
+
+
+def measure_gemm_flops(repeats: int = 5) -> dict:
+    """Best fp32 GEMM rate of this machine at the current thread count: the best of a few large products
+    (one a prefill-sized projection of a small model, one square), best of `repeats` each."""
+    best = 0.0
+    for m, k, n in ((2048, 256, 1536), (1024, 1024, 1024)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * m * k * n / (time.perf_counter() - t))
+    return dict(gemm_gflops=best / 1e9, threads=torch.get_num_threads())
+
+
+def active_weights_per_token(cfg) -> dict:
+    """Weights one token multiplies through the main model (each layer's attention projections; a dense MLP,
+    or a MoE layer's gate, shared experts and top-k routed experts), and the output head, which multiplies
+    only the tokens that are sampled."""
+    heads = cfg.num_attention_heads
+    if cfg.q_lora_rank:
+        q = cfg.hidden_size * cfg.q_lora_rank + cfg.q_lora_rank * heads * cfg.qk_head_dim
+    else:
+        q = cfg.hidden_size * heads * cfg.qk_head_dim
+    attention = (q + cfg.hidden_size * cfg.kv_cache_dim
+                 + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+                 + heads * cfg.v_head_dim * cfg.hidden_size)
+    layers = 0
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            experts = (cfg.n_shared_experts or 0) + cfg.num_experts_per_tok
+            layers += attention + cfg.n_routed_experts * cfg.hidden_size + 3 * cfg.hidden_size * cfg.moe_intermediate_size * experts
+        else:
+            layers += attention + 3 * cfg.hidden_size * cfg.intermediate_size
+    return dict(layers=layers, head=cfg.vocab_size * cfg.hidden_size)
+
+
+def compute_floor(cfg, batch: int, input_len: int, output_len: int, gemm_gflops: float) -> dict:
+    """A lower bound on the time of a batched greedy generate without speculation: the weight GEMM FLOPs of
+    every prompt and generated token (2 per multiply-add; the last generated token is never fed back), the
+    head only for sampled tokens, at the machine's best GEMM rate. Attention scores, norms, routing and all
+    per-op costs are left out, so no implementation can beat it."""
+    w = active_weights_per_token(cfg)
+    fed = batch * (input_len + output_len - 1)
+    flops = 2 * (fed * w["layers"] + batch * output_len * w["head"])
+    seconds = flops / (gemm_gflops * 1e9)
+    return dict(batch_size=batch, tokens_through_layers=fed, weight_flops=flops, gemm_gflops=gemm_gflops,
+                floor_seconds=seconds, max_output_tokens_per_s=batch * output_len / seconds)

@@ -2,7 +2,7 @@
 engine against transformers generate on the same checkpoint and prompts)."""
 import time
 
-from mtpserve.bench import common, latency, peers
+from mtpserve.bench import common, latency, peers, roofline
 
 
 def run_throughput(model: str, spec: dict | None, num_prompts: int, input_len: int, output_len: int,
@@ -61,6 +61,7 @@ def run_peer_comparison(model: str, k: int, input_len: int, output_len: int, bat
         tokens[name] = (toks1, rb["tokens"])
         log(f"  {name}: batch 1 {n1 / t1:.1f} tok/s, batch {batch} {ours[name][f'batch{batch}']['tokens_per_s']:.1f}"
             " tok/s")
+    model_config = base.model_config
     del engines, base
     ref1, refb = tokens["ours_no_mtp"]
     hf = peers.run_peers(model, prompts, output_len, batch, num_single, ref1, refb, with_mtp=with_mtp, log=log,
@@ -75,10 +76,20 @@ def run_peer_comparison(model: str, k: int, input_len: int, output_len: int, bat
         mtp_hf = hf.get("hf_generate_use_mtp_batch1", {})
         if "tokens_per_s" in mtp_hf:
             ratios[f"{name}_batch1_vs_hf_use_mtp_batch1"] = ours[name]["batch1"]["tokens_per_s"] / mtp_hf["tokens_per_s"]
+    floor = None
+    if f"hf_generate_batch{batch}" in hf:   # how far from the compute floor both are at the big batch
+        floor = roofline.compute_floor(model_config, batch, input_len, output_len,
+                                       roofline.measure_gemm_flops()["gemm_gflops"])
+        ours_s = ours["ours_no_mtp"][f"batch{batch}"]["seconds"]
+        floor.update(max_ratio_vs_hf=floor["max_output_tokens_per_s"] / hf[f"hf_generate_batch{batch}"]["tokens_per_s"],
+                     ours_no_mtp_fraction_of_floor=floor["floor_seconds"] / ours_s,
+                     hf_fraction_of_floor=floor["floor_seconds"] / hf[f"hf_generate_batch{batch}"]["seconds"])
+        log(f"  compute floor at batch {batch}: {floor['max_output_tokens_per_s']:.0f} tok/s at most "
+            f"({floor['gemm_gflops']:.0f} GFLOP/s GEMMs) = {floor['max_ratio_vs_hf']:.2f}x transformers")
     equal_mtp = None
     if k:
         t1, tb = tokens[f"ours_mtp_k{k}"]
         equal_mtp = dict(batch1=t1 == ref1, batch=tb == refb)
     return dict(ours=ours, transformers=hf, ratios=ratios, ours_mtp_tokens_equal_ours_no_mtp=equal_mtp,
-                batch_size=batch, num_single=num_single, input_len=input_len, output_len=output_len,
+                compute_floor=floor, batch_size=batch, num_single=num_single, input_len=input_len, output_len=output_len,
                 dtype=str(base_dtype(dtype)).removeprefix("torch."), peak_rss_bytes=common.peak_rss_bytes())
