@@ -70,19 +70,18 @@ class MoE(nn.Module):
         if self.w13 is None:   # unfused (training): the per-expert modules
             w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
             return out + _hit_experts(x, weights, ids, w13, torch.stack([e.down_proj.weight for e in self.experts], 1))
-        num_experts = self.w13.shape[0]
-        compiling = torch.compiler.is_compiling()
-        few = x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= num_experts and x.dtype != torch.float32
-        if few or (compiling and x.is_cuda):
+        if torch.compiler.is_compiling():
+            if x.is_cuda:   # a CUDA graph cannot loop over the experts hit on the host: all experts, two GEMMs
+                return out + _all_experts(x, weights, ids, self.w13, self.w2)
+            if ids.numel() <= FEW_CHOICES:
+                return out + _chosen_pairs(x, weights, ids, self.w13, self.w2)
+            return out + routed_experts(x, weights, ids, self.w13, self.w2)
+        if x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= len(self.w13) and x.dtype != torch.float32:
             # A few tokens choosing about half the experts or more, in half precision (whose CPU GEMMs cost the
-            # same for 1 and 16 rows; fp32 ones do not), or a CUDA graph (which cannot loop over the experts
-            # hit on the host): all experts as two GEMMs, weighted by the (mostly zero) routing weights.
+            # same for 1 and 16 rows; fp32 ones do not): all experts as two GEMMs, weighted by the (mostly zero)
+            # routing weights.
             return out + _all_experts(x, weights, ids, self.w13, self.w2)
-        if not compiling:
-            return out + _hit_experts(x, weights, ids, self.w13, self.w2)
-        if ids.numel() <= FEW_CHOICES:
-            return out + _chosen_pairs(x, weights, ids, self.w13, self.w2)
-        return out + routed_experts(x, weights, ids, self.w13, self.w2)
+        return out + _hit_experts(x, weights, ids, self.w13, self.w2)
 
     @torch.no_grad()
     def fuse(self) -> None:
