@@ -297,16 +297,20 @@ def test_moe_expert_paths_agree(num_tokens, experts):
     assert ref.abs().max() > 1.0
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
 def test_linear_equals_f_linear(rows):
-    """layers.linear picks its GEMM by row count and weight layout; every choice computes F.linear."""
+    """layers.linear picks its GEMM by row count, weight layout and whether it is being compiled (per-row
+    reductions in a CPU graph); every choice computes F.linear."""
     from mtpserve.model.layers import linear
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 24, generator=gen)
     stacked = torch.randn(40, 3, 24, generator=gen)
     bias = torch.randn(40, generator=gen)
+    compiled = torch.compile(linear, dynamic=False, fullgraph=True)
     for weight in (stacked[:, 0].contiguous(), stacked[:, 1]):   # contiguous, and a strided view
         for b in (None, bias):
-            out = linear(x, weight, b)
-            assert out.shape == (rows, 40) and out.is_contiguous()
-            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b))
+            for fn in (linear, compiled):
+                with torch._dynamo.config.patch(recompile_limit=64):   # a variant per shape and test
+                    out = fn(x, weight, b)
+                assert out.shape == (rows, 40) and out.is_contiguous()
+                torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b))

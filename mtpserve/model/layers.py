@@ -38,27 +38,28 @@ class MLP(nn.Module):
         self.gate_up = share_storage([self.gate_proj, self.up_proj])
 
 
-# Up to this many rows, a CPU graph computes a linear layer as per-row reductions (see linear()).
-GRAPH_GEMV_MAX_ROWS = 4
+# Up to this many rows (a decode or verify step at small batch), linear() avoids MKL's x @ weight.T on the CPU.
+FEW_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for 1-4 fp32 rows on the CPU with a contiguous weight: weight @ x.T instead. For 2-4
-    rows MKL's x @ weight.T repacks the whole weight on every call (a few rows cost 1.5-2x one row); for one
-    row its GEMV reads a weight that is not in cache at about half the speed of a two-column GEMM, so the row
-    goes in twice. (A strided weight, e.g. one expert's slice of the stacked down projections, is the other
-    way round: F.linear reads it faster.)"""
+    """F.linear, except for 1-8 rows on the CPU, where MKL's x @ weight.T repacks the whole weight on every
+    call (5 rows cost about what 16 do):
+    - in a CPU graph, one reduction per row: inductor fuses them into one kernel that reads the weight once, at
+      about twice the bandwidth MKL reaches on a few columns of a cold weight;
+    - eagerly, for fp32 and a contiguous weight, weight @ x.T; one row goes in twice, as MKL's GEMV reads a
+      cold weight at about half the speed of a two-column GEMM. (A strided weight, e.g. one expert's slice of
+      the stacked down projections, is the other way round: F.linear reads it faster.)"""
     rows = x.shape[0]
-    if 0 < rows <= GRAPH_GEMV_MAX_ROWS and x.dim() == 2 and x.device.type == "cpu" and torch.compiler.is_compiling():
-        # In a CPU graph, one reduction per row: inductor fuses them into one kernel that reads the weight once,
-        # at about twice the bandwidth MKL reaches on a few columns of a cold weight.
+    if not (0 < rows <= FEW_ROWS and x.dim() == 2 and x.device.type == "cpu"):
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
         out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])
-        return out if bias is None else out + bias
-    if (0 < rows <= 4 and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.is_contiguous()):
+    elif x.dtype == torch.float32 and weight.is_contiguous():
         out = torch.mm(weight, (x if rows > 1 else torch.cat([x, x])).t())[:, :rows].t().contiguous()
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
+    else:
+        return F.linear(x, weight, bias)
+    return out if bias is None else out + bias
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
