@@ -71,11 +71,23 @@ def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor, meta: "Attention
     """kv_cache[blocks]. Eagerly, into one buffer that every layer of the forward reuses: a fresh multi-MB
     tensor per layer costs more in page faults than the copy itself on the CPU."""
     if torch.compiler.is_compiling():
-        return kv_cache.index_select(0, blocks)
+        return gather_cache_blocks(kv_cache, blocks)
     shape = (blocks.shape[0], *kv_cache.shape[1:])
     if meta.keys_buffer is None or meta.keys_buffer.shape != shape or meta.keys_buffer.dtype != kv_cache.dtype:
         meta.keys_buffer = kv_cache.new_empty(shape)
     return torch.index_select(kv_cache, 0, blocks, out=meta.keys_buffer)
+
+
+@torch.library.custom_op("mtpserve::gather_cache_blocks", mutates_args=())
+def gather_cache_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """kv_cache[blocks] as one opaque op in graphs: ATen copies whole blocks, where inductor's generated
+    gather indexes element by element (and may gather again for each consumer of the keys)."""
+    return kv_cache.index_select(0, blocks)
+
+
+@gather_cache_blocks.register_fake
+def _(kv_cache, blocks):
+    return kv_cache.new_empty((blocks.shape[0], *kv_cache.shape[1:]))
 
 
 def dense_metadata(batch: int, seq_len: int, device) -> tuple[AttentionMetadata, torch.Tensor]:
