@@ -74,10 +74,14 @@ def test_graph_mode_flags():
         engine_kwargs(parser.parse_args(["--graph-mode", "--enforce-eager"]))
 
 
-def test_kv_bucket_is_a_power_of_two_covering_the_kv():
+def test_kv_bucket_covers_the_kv_exactly_on_cpu_and_in_powers_of_two_for_cuda_graphs():
     from mtpserve.runner.graphs import GraphRunner
     runner = GraphRunner(None, [], [], [1], block_size=16, max_span=200, device="cpu")   # 13 blocks at most
+    assert [runner.kv_bucket(n) for n in (1, 16, 17, 33, 64, 65, 129, 200)] == [2, 2, 2, 3, 4, 5, 9, 13]
+    assert runner.warm_up_buckets() == [2, 13]
+    runner.cuda_graphs = True   # (the bucket arithmetic only; nothing is captured here)
     assert [runner.kv_bucket(n) for n in (1, 16, 17, 33, 64, 65, 129, 200)] == [2, 2, 2, 4, 4, 8, 13, 13]
+    assert runner.warm_up_buckets() == [2, 4, 8, 13]
     for kv_len in range(1, 201):
         bucket = runner.kv_bucket(kv_len)
         assert bucket * 16 >= kv_len and bucket <= 13

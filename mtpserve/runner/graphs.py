@@ -2,8 +2,8 @@
 
 A step is uniform when every row has the same number of query tokens (1 without speculation, 1+k with it).
 Its batch is padded to the next of `graph_batch_sizes`; padding rows have KV length 0 and slot -1, so they
-never read or write real KV, and their outputs are dropped. The block table is cut to a power-of-two number
-of blocks that covers the longest row (the KV bucket), a dimension the graphs treat as dynamic: one compiled
+never read or write real KV, and their outputs are dropped. The block table is cut to the blocks that cover
+the longest row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as dynamic: one compiled
 graph per (what, batch size, query length) serves every KV length, and attention reads only the bucket, not
 all of max_model_len. Inputs are copied into static buffers. On CUDA the compiled step is captured as CUDA
 graphs (torch.compile "reduce-overhead"; one per KV bucket, recorded at warm-up); on the CPU it is an
@@ -86,9 +86,19 @@ class GraphRunner:
         return out.clone() if self.cuda_graphs else out
 
     def kv_bucket(self, kv_len: int) -> int:
-        """Blocks in the table a graph sees: the next power of two (at least 2) covering kv_len tokens."""
+        """Blocks in the table a graph sees (at least 2: dynamo specializes sizes 0 and 1): on CUDA the next
+        power of two covering kv_len tokens (each bucket is a captured graph); on the CPU exactly the blocks
+        covering them (one dynamic kernel serves every width, and attention reads no padding blocks)."""
         blocks = -(-kv_len // self.block_size)
-        return min(max(2, 1 << (blocks - 1).bit_length()), self.max_blocks)
+        if self.cuda_graphs:
+            blocks = 1 << (blocks - 1).bit_length()
+        return min(max(2, blocks), self.max_blocks)
+
+    def warm_up_buckets(self) -> list[int]:
+        """The buckets run at build time: every one on CUDA (each is captured); on the CPU the narrowest and
+        the whole table (the dynamic kernel serves the widths between)."""
+        buckets = {self.kv_bucket(n * self.block_size) for n in range(1, self.max_blocks + 1)}
+        return sorted(buckets if self.cuda_graphs else {min(buckets), max(buckets)})
 
     @staticmethod
     def _inputs(buf, bucket: int) -> list:
@@ -129,7 +139,7 @@ class GraphRunner:
         # Compile now, and run every KV bucket once (on CUDA each is captured; on the CPU the one dynamic
         # kernel serves them all, but a table as wide as the whole buffer may still need its own variant), with
         # padding rows only: no real KV is touched.
-        buckets = sorted({self.kv_bucket(n * self.block_size) for n in range(1, self.max_blocks + 1)})
+        buckets = self.warm_up_buckets()
         # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
             for bucket in buckets:
