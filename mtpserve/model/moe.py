@@ -110,20 +110,20 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
             y = linear(silu_and_mul(linear(x, w13[expert])), w2[:, expert]) * routing[:, expert:expert + 1]
             out = y if out is None else out + y
         return out
+    # Many tokens: each expert on the tokens that chose it, gathered once in expert order (so each expert's
+    # rows are a slice), and one scatter-add of the weighted outputs at the end.
     flat_ids = ids.flatten()
     order = flat_ids.argsort()
     token_of = order // ids.shape[1]
-    flat_weights = weights.flatten()
-    out = torch.zeros_like(x)
-    start = 0
+    chosen_x = x[token_of]
+    outputs, start = [], 0
     for expert, count in enumerate(torch.bincount(flat_ids, minlength=len(w13)).tolist()):
         if count:
-            chosen = order[start:start + count]
-            rows = token_of[start:start + count]
-            y = linear(silu_and_mul(linear(x[rows], w13[expert])), w2[:, expert])
-            out.index_add_(0, rows, y * flat_weights[chosen].unsqueeze(-1))
+            rows = chosen_x[start:start + count]
+            outputs.append(linear(silu_and_mul(linear(rows, w13[expert])), w2[:, expert]))
             start += count
-    return out
+    weighted = torch.cat(outputs) * weights.flatten()[order].unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token_of, weighted)
 
 
 def _chosen_pairs(x, weights, ids, w13, w2) -> torch.Tensor:
