@@ -136,9 +136,8 @@ class GraphRunner:
         code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")
         fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__))
         start = time.perf_counter()
-        # Compile now, and run every KV bucket once (on CUDA each is captured; on the CPU the one dynamic
-        # kernel serves them all, but a table as wide as the whole buffer may still need its own variant), with
-        # padding rows only: no real KV is touched.
+        # Compile now, and run the warm-up buckets (each one captured on CUDA) with padding rows only: no real
+        # KV is touched.
         buckets = self.warm_up_buckets()
         # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
