@@ -77,13 +77,13 @@ def run_peer_comparison(model: str, k: int, input_len: int, output_len: int, bat
         if "tokens_per_s" in mtp_hf:
             ratios[f"{name}_batch1_vs_hf_use_mtp_batch1"] = ours[name]["batch1"]["tokens_per_s"] / mtp_hf["tokens_per_s"]
     floor = None
-    if f"hf_generate_batch{batch}" in hf:   # how far from the compute floor both are at the big batch
+    hf_batch = hf.get(f"hf_generate_batch{batch}")
+    if hf_batch:   # how far from the compute floor both are at the big batch
         floor = roofline.compute_floor(model_config, batch, input_len, output_len,
                                        roofline.measure_gemm_flops()["gemm_gflops"])
-        ours_s = ours["ours_no_mtp"][f"batch{batch}"]["seconds"]
-        floor.update(max_ratio_vs_hf=floor["max_output_tokens_per_s"] / hf[f"hf_generate_batch{batch}"]["tokens_per_s"],
-                     ours_no_mtp_fraction_of_floor=floor["floor_seconds"] / ours_s,
-                     hf_fraction_of_floor=floor["floor_seconds"] / hf[f"hf_generate_batch{batch}"]["seconds"])
+        floor.update(max_ratio_vs_hf=floor["max_output_tokens_per_s"] / hf_batch["tokens_per_s"],
+                     ours_no_mtp_fraction_of_floor=floor["floor_seconds"] / ours["ours_no_mtp"][f"batch{batch}"]["seconds"],
+                     hf_fraction_of_floor=floor["floor_seconds"] / hf_batch["seconds"])
         log(f"  compute floor at batch {batch}: {floor['max_output_tokens_per_s']:.0f} tok/s at most "
             f"({floor['gemm_gflops']:.0f} GFLOP/s GEMMs) = {floor['max_ratio_vs_hf']:.2f}x transformers")
     equal_mtp = None
