@@ -94,6 +94,11 @@ def main(argv=None) -> None:
     add_train_args(train)
     train.set_defaults(func=run_train)
 
+    vocab = sub.add_parser("draft-vocab", help="count token frequencies for a frequency-ranked draft vocabulary")
+    from mtpserve.spec.draft_vocab import add_draft_vocab_args, run_draft_vocab
+    add_draft_vocab_args(vocab)
+    vocab.set_defaults(func=run_draft_vocab)
+
     try:
         from mtpserve.bench.cli import add_bench_args, run_bench
         bench = sub.add_parser("bench", help="latency / throughput / serving benchmarks")

@@ -138,6 +138,7 @@ class SpeculativeConfig:
     verification: str = "token"             # "token" | "block"
     scorer: str = "mqa"                     # "mqa" | "batch_expansion"
     synthetic_acceptance: float | None = None  # measurement mode only (bench); never lossless
+    draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec/draft_vocab.py)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -161,6 +162,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16]")
         if cfg.synthetic_acceptance is not None and not 0.0 <= cfg.synthetic_acceptance <= 1.0:
             raise ValueError("speculative_config.synthetic_acceptance must be in [0, 1]")
+        size = cfg.draft_vocab_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"speculative_config.draft_vocab_size = {size!r}: must be a positive integer "
+                             "(at most the vocabulary size)")
         return cfg
 
 

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from mtpserve import LLM, SamplingParams
 from mtpserve.model.loader import load_model
+from mtpserve.spec.draft_vocab import write_frequencies
 from tiny_models import pattern_batch, random_checkpoint, trained_checkpoint
 
 
@@ -126,11 +127,14 @@ def exact_joint(path, prompt, params, n_tokens):
     {"num_speculative_tokens": 2, "verification": "block"},
     {"num_speculative_tokens": 1, "draft_sampling": "greedy"},
     {"num_speculative_tokens": 2, "draft_sampling": "greedy", "verification": "block"},
-], ids=["token-prob", "block-prob", "token-greedydraft", "block-greedydraft"])
+    {"num_speculative_tokens": 2, "draft_vocab_size": 3},
+], ids=["token-prob", "block-prob", "token-greedydraft", "block-greedydraft", "token-prob-draftvocab"])
 def test_sampling_is_lossless(tmp_path_factory, spec):
     """Chi-square of the first two generated tokens over many seeded requests against the exact joint
     distribution computed from the model itself (vocab 6, so 36 cells)."""
     path = random_checkpoint(tmp_path_factory.mktemp("v6"), vocab_size=6, eos_token_id=None, bos_token_id=None)
+    if "draft_vocab_size" in spec:   # drafts from tokens 0, 2, 4 only
+        write_frequencies(path, [5, 1, 4, 2, 6, 3], "test counts")
     prompt = [1, 4, 2]
     params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=2, ignore_eos=True)
     joint = exact_joint(path, prompt, params, 2)

@@ -13,6 +13,7 @@ from mtpserve.engine.scheduler import Scheduler
 from mtpserve.model.loader import load_model
 from mtpserve.runner.model_runner import ModelRunner
 from mtpserve.sampling_params import SamplingParams
+from mtpserve.spec.draft_vocab import load_draft_vocab
 from mtpserve.spec.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("mtpserve")
@@ -49,6 +50,11 @@ class LLMEngine:
                              "(num_nextn_predict_layers = 0 in its config.json)")
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
         self.model = load_model(path, self.dtype, self.device, self.model_config).eval().fuse_for_inference()
+        if spec is not None and spec.draft_vocab_size is not None:
+            ids, coverage = load_draft_vocab(path, spec.draft_vocab_size, self.model_config.vocab_size)
+            self.model.set_draft_vocab(ids.to(self.device))
+            logger.info("draft vocabulary: the %d most frequent of %d tokens (%.1f%% of the counted tokens)",
+                        len(ids), self.model_config.vocab_size, 100 * coverage)
         self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(path)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)

@@ -42,6 +42,7 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.embed_tokens = embed_tokens          # shared with the main model unless the checkpoint differs
         self.shared_head = SharedHead(cfg, lm_head)
+        self.draft_head: torch.Tensor | None = None   # the head's rows for a draft vocabulary (set_draft_vocab)
 
     def forward(self, input_ids, prev_hidden, positions, meta, kv_cache, output_index=None):
         """output_index (one token per request): only those tokens' outputs are wanted. The others then only
@@ -53,8 +54,10 @@ class MTPLayer(DecoderLayer):
         self.self_attn.write_kv(self.input_layernorm(x), positions, meta.slot_mapping, kv_cache)
         return super().forward(x[output_index], positions[output_index], meta.select(output_index), kv_cache)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(self.shared_head.norm(hidden), self.shared_head.head.weight).float()
+    def logits(self, hidden: torch.Tensor, draft_vocab: bool = False) -> torch.Tensor:
+        """Over the whole vocabulary, or (draft_vocab) over the draft vocabulary's tokens only."""
+        weight = self.draft_head if draft_vocab and self.draft_head is not None else self.shared_head.head.weight
+        return linear(self.shared_head.norm(hidden), weight).float()
 
 
 class Backbone(nn.Module):
@@ -77,6 +80,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.mtp_layers = nn.ModuleList(
             MTPLayer(cfg, cfg.num_hidden_layers + i, self.rotary, self.model.embed_tokens, self.lm_head)
             for i in range(cfg.num_nextn_predict_layers))
+        self.draft_vocab: torch.Tensor | None = None   # token ids the MTP drafts from (None: all)
 
     @property
     def num_mtp_layers(self) -> int:
@@ -118,8 +122,21 @@ class DeepseekV3ForCausalLM(nn.Module):
             meta.prepare(positions)
         return self.mtp_layers[depth](input_ids, prev_hidden, positions, meta, kv_cache, output_index)
 
-    def mtp_logits(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
-        return self.mtp_layers[depth].logits(hidden)
+    def mtp_logits(self, depth: int, hidden: torch.Tensor, draft_vocab: bool = False) -> torch.Tensor:
+        """[N, vocab]; with draft_vocab, [N, len(self.draft_vocab)] (column j scores token draft_vocab[j])."""
+        return self.mtp_layers[depth].logits(hidden, draft_vocab)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Drafting scores only these tokens: each MTP head keeps a copy of their rows (layers sharing one head
+        share the copy)."""
+        self.draft_vocab = token_ids
+        copies = {}
+        for layer in self.mtp_layers:
+            head = layer.shared_head.head.weight
+            if token_ids is not None and id(head) not in copies:
+                copies[id(head)] = head.index_select(0, token_ids.to(head.device)).contiguous()
+            layer.draft_head = None if token_ids is None else copies[id(head)]
 
     # Dense [B, T] causal batches without a cache: training and reference checks.
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

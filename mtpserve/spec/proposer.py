@@ -89,10 +89,19 @@ class MTPProposer:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs])
 
     def _draft(self, layer, hidden, reqs):
-        logits = self.model.mtp_logits(layer, hidden)
+        """Drafts one token per request, and the distribution it was drawn from over the whole vocabulary.
+        With a draft vocabulary the head scores only its tokens: drafts are mapped back to token ids and the
+        distribution is zero elsewhere (exactly what was sampled from, so verification stays lossless)."""
+        logits = self.model.mtp_logits(layer, hidden, draft_vocab=True)
+        vocab = self.model.draft_vocab
         if self.spec.draft_sampling == "greedy" or all(r.params.greedy for r in reqs):
-            return logits.argmax(-1), None   # one-hot drafts: no distribution to keep
+            token = logits.argmax(-1)   # one-hot drafts: no distribution to keep
+            return (token if vocab is None else vocab[token]), None
         probs = logits_to_probs(logits, *sampling_tensors(reqs, None, self.device))
         noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device,
                      [r.params.greedy for r in reqs])
-        return sample(probs, noise), probs
+        token = sample(probs, noise)
+        if vocab is None:
+            return token, probs
+        full = probs.new_zeros(probs.shape[0], self.model.config.vocab_size).index_copy_(1, vocab, probs)
+        return vocab[token], full
