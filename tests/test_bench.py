@@ -96,6 +96,23 @@ def test_bench_latency_eager_and_graph_side_by_side(ckpt, tmp_path):
     assert any("graph-mode decode >= 1.3x eager" in line for line in report.targets([rec]))
 
 
+def test_bench_latency_draft_vocab_axis(ckpt, tmp_path):
+    from mtpserve.bench import report
+    from mtpserve.config import ModelConfig
+    from mtpserve.spec.draft_vocab import write_frequencies
+    vocab = ModelConfig.from_pretrained(ckpt).vocab_size
+    write_frequencies(ckpt, list(range(vocab)), "test counts")
+    rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,1", "--draft-vocab-sizes", "0,16",
+                   "--input-len", "5", "--output-len", "5", "--num-iters", "1"], tmp_path / "dv.json")
+    rows = rec["results"]["configs"]
+    assert [r["name"] for r in rows] == ["no_mtp", "mtp_k1_mqa", "mtp_k1_mqa_dv16"]
+    assert [r["draft_vocab_size"] for r in rows] == [None, None, 16]
+    assert all(r["greedy_tokens_equal_no_mtp"] for r in rows)
+    lines = report.targets([rec])
+    assert any("draft vocab 16): TPOT speedup k=1" in line for line in lines)
+    assert sum("ITL(k=1)" in line for line in lines) == 2
+
+
 def test_bench_latency_synthetic(ckpt, tmp_path):
     rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,2", "--synthetic-acceptance", "1.0",
                    "--input-len", "4", "--output-len", "7", "--num-iters", "1"], tmp_path / "syn.json")

@@ -38,6 +38,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      help="comma list of eager,graph: run both side by side (default: the one mode chosen)")
     lat.add_argument("--synthetic-acceptance", type=float, default=None,
                      help="MEASUREMENT MODE: each draft passes with this fixed probability (output not lossless)")
+    lat.add_argument("--draft-vocab-sizes", default=None,
+                     help="comma list of speculative_config.draft_vocab_size per MTP config, 0 = the whole vocabulary")
     lat.add_argument("--plot-dir", default=None, help="write PNG plots here")
     tp = sub.add_parser("throughput", help="many prompts offline: tokens/s and requests/s")
     _common(tp, 32, 64)
@@ -107,7 +109,8 @@ def _latency(args, path: str) -> dict:
         print(f"MEASUREMENT MODE: synthetic acceptance {args.synthetic_acceptance} (not lossless)")
     res = latency.sweep(path, batch_sizes, ks, scorers, args.input_len, args.output_len, args.num_iters,
                         args.enforce_eager, args.dtype, spec, args.synthetic_acceptance,
-                        modes=common.parse_list(args.modes, str) if args.modes else None)
+                        modes=common.parse_list(args.modes, str) if args.modes else None,
+                        draft_vocab_sizes=common.parse_list(args.draft_vocab_sizes) if args.draft_vocab_sizes else None)
     latency.print_table(res["configs"])
     return res
 

@@ -12,19 +12,21 @@ from mtpserve.bench import common
 from mtpserve.sampling_params import SamplingParams
 
 
-def spec_dict(k: int, scorer: str, base: dict | None, synthetic: float | None) -> dict | None:
+def spec_dict(k: int, scorer: str, base: dict | None, synthetic: float | None, draft_vocab: int = 0) -> dict | None:
     if k == 0:
         return None
     d = dict(base or {"method": "mtp"})
     d.update(num_speculative_tokens=k, scorer=scorer)
     if synthetic is not None:
         d["synthetic_acceptance"] = synthetic
+    if draft_vocab:
+        d["draft_vocab_size"] = draft_vocab
     return d
 
 
-def config_name(k: int, scorer: str, mode: str | None = None) -> str:
+def config_name(k: int, scorer: str, mode: str | None = None, draft_vocab: int = 0) -> str:
     """mode: None when the sweep runs one mode (names as before), else "eager"/"graph" appended."""
-    name = "no_mtp" if k == 0 else f"mtp_k{k}_{scorer}"
+    name = "no_mtp" if k == 0 else f"mtp_k{k}_{scorer}" + (f"_dv{draft_vocab}" if draft_vocab else "")
     return name if mode is None else f"{name}_{mode}"
 
 
@@ -99,18 +101,21 @@ def aggregate(runs: list[dict]) -> dict:
 def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str], input_len: int, output_len: int,
           num_iters: int, enforce_eager: bool | None, dtype: str = "auto", spec_base: dict | None = None,
           synthetic: float | None = None, tokenizer_prompts: bool = True, log=print,
-          modes: list[str] | None = None) -> dict:
-    """-> {"configs": [...], "prompts": ..., "outputs_match_no_mtp": ...}. One engine per (mode, k, scorer);
-    modes ("eager", "graph") given: both run side by side, else the one enforce_eager says."""
+          modes: list[str] | None = None, draft_vocab_sizes: list[int] | None = None) -> dict:
+    """-> {"configs": [...], "prompts": ..., "outputs_match_no_mtp": ...}. One engine per (mode, k, scorer,
+    draft vocabulary size; 0 = the whole vocabulary); modes ("eager", "graph") given: both run side by side,
+    else the one enforce_eager says."""
     from mtpserve.engine.engine import LLMEngine
     max_batch = max(batch_sizes)
     mode_list = modes or [None]
-    configs = [(m, k, s) for m in mode_list for k in ks for s in (scorers if k else scorers[:1])]
+    vocabs = draft_vocab_sizes or [0]
+    configs = [(m, k, s, v) for m in mode_list for k in ks for s in (scorers if k else scorers[:1])
+               for v in (vocabs if k else [0])]
     engines = {}
-    for m, k, s in configs:
+    for m, k, s, v in configs:
         eager = enforce_eager if m is None else m == "eager"
-        engines[(m, k, s)] = build_engine(model, spec_dict(k, s, spec_base, synthetic), max_batch,
-                                          input_len + output_len, eager, dtype, graph_batch_sizes=batch_sizes)
+        engines[(m, k, s, v)] = build_engine(model, spec_dict(k, s, spec_base, synthetic, v), max_batch,
+                                             input_len + output_len, eager, dtype, graph_batch_sizes=batch_sizes)
     any_engine: LLMEngine = next(iter(engines.values()))
     # iteration i runs prompts[i*bs : (i+1)*bs]: small batches see several prompts, every config the same ones
     prompts = common.make_prompts(max_batch * num_iters, input_len, any_engine.model_config.vocab_size,
@@ -120,10 +125,10 @@ def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str],
     runs = {(bs, *c): [] for bs in batch_sizes for c in configs}
     for it in range(num_iters):
         for bs in batch_sizes:
-            for m, k, s in configs:
-                r = run_batch(engines[(m, k, s)], prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
-                runs[(bs, m, k, s)].append(r)
-                log(f"  iter {it} batch {bs:3d} {config_name(k, s, m):30s} {r['duration']:.3f}s "
+            for c in configs:
+                r = run_batch(engines[c], prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
+                runs[(bs, *c)].append(r)
+                log(f"  iter {it} batch {bs:3d} {config_name(c[1], c[2], c[0], c[3]):30s} {r['duration']:.3f}s "
                     f"accept-len {r['spec']['mean_acceptance_length']:.2f}")
 
     def same_tokens(a, b):
@@ -131,16 +136,17 @@ def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str],
 
     results = []
     for bs in batch_sizes:
-        for m, k, s in configs:
-            agg = aggregate(runs[(bs, m, k, s)])
-            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s, m), mode=m,
-                       graph_build_seconds=engines[(m, k, s)].graph_warmup_seconds, **agg)
+        for m, k, s, v in configs:
+            agg = aggregate(runs[(bs, m, k, s, v)])
+            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s, m, v), mode=m,
+                       draft_vocab_size=v or None, graph_build_seconds=engines[(m, k, s, v)].graph_warmup_seconds,
+                       **agg)
             if 0 in ks:   # against no MTP in the same mode (graphs may round differently from eager)
-                row["greedy_tokens_equal_no_mtp"] = (same_tokens(runs[(bs, m, 0, scorers[0])], runs[(bs, m, k, s)])
-                                                     if synthetic is None else None)
+                row["greedy_tokens_equal_no_mtp"] = (same_tokens(runs[(bs, m, 0, scorers[0], 0)],
+                                                                 runs[(bs, m, k, s, v)]) if synthetic is None else None)
             if m not in (None, mode_list[0]) and synthetic is None:
-                row[f"greedy_tokens_equal_{mode_list[0]}"] = same_tokens(runs[(bs, mode_list[0], k, s)],
-                                                                         runs[(bs, m, k, s)])
+                row[f"greedy_tokens_equal_{mode_list[0]}"] = same_tokens(runs[(bs, mode_list[0], k, s, v)],
+                                                                         runs[(bs, m, k, s, v)])
             results.append(row)
     add_ratios(results)
     first = next(iter(engines.values()))
@@ -157,14 +163,15 @@ def add_ratios(results: list[dict]) -> None:
     """Speedups against the no-MTP row of the same batch size and mode (TPOT ratio, ITL ratio, tokens/s
     ratio); with two modes also graph over eager for the same configuration (TPOT ratio)."""
     base = {(r["batch_size"], r.get("mode")): r for r in results if r["k"] == 0}
-    eager = {(r["batch_size"], r["k"], r["scorer"]): r for r in results if r.get("mode") == "eager"}
+    eager = {(r["batch_size"], r["k"], r["scorer"], r.get("draft_vocab_size")): r for r in results
+             if r.get("mode") == "eager"}
     for r in results:
         b = base.get((r["batch_size"], r.get("mode")))
         if b is not None:
             r["tpot_speedup"] = b["tpot_ms"]["mean"] / r["tpot_ms"]["mean"] if r["tpot_ms"]["mean"] else None
             r["itl_ratio_vs_no_mtp"] = r["itl_ms"]["mean"] / b["itl_ms"]["mean"] if b["itl_ms"]["mean"] else None
             r["throughput_speedup"] = r["output_tokens_per_s"] / b["output_tokens_per_s"]
-        e = eager.get((r["batch_size"], r["k"], r["scorer"]))
+        e = eager.get((r["batch_size"], r["k"], r["scorer"], r.get("draft_vocab_size")))
         if r.get("mode") == "graph" and e is not None:
             r["graph_tpot_speedup_vs_eager"] = e["tpot_ms"]["mean"] / r["tpot_ms"]["mean"]
             e0 = base.get((r["batch_size"], "eager"))

@@ -39,7 +39,8 @@ def latency_tables(rec: dict) -> list[str]:
         for r in rows:
             if r["batch_size"] == seed_bs and r.get("mode") == m and (
                     r["k"] == 0 or r["scorer"] == "mqa" or "mqa" not in {x["scorer"] for x in rows}):
-                name = "no MTP" if r["k"] == 0 else f"MTP k={r['k']}"
+                name = "no MTP" if r["k"] == 0 else f"MTP k={r['k']}" + (
+                    f", draft vocab {r['draft_vocab_size']}" if r.get("draft_vocab_size") else "")
                 out.append(f"| {name} | {_f(r['itl_ms']['mean'])} | {_f(r['tpot_ms']['mean'])} | "
                            f"{_f(r['acceptance_rate'], '{:.3f}')} | {_f(r['mean_acceptance_length'])} | "
                            f"{_f(r.get('tpot_speedup'))}x | {_f(r.get('itl_ratio_vs_no_mtp'))}x |")
@@ -147,7 +148,8 @@ def other_table(rec: dict) -> list[str]:
 
 def graph_vs_eager_table(rows: list[dict], bs: int) -> list[str]:
     """The seed's graph-mode table: eager vs graph x (no-MTP ITL, MTP ITL, MTP TPOT, acceleration)."""
-    get = {(r["mode"], r["k"]): r for r in rows if r["batch_size"] == bs and (r["k"] == 0 or r["scorer"] == "mqa")}
+    get = {(r["mode"], r["k"]): r for r in rows if r["batch_size"] == bs and (r["k"] == 0 or r["scorer"] == "mqa")
+           and not r.get("draft_vocab_size")}
     ks = sorted({k for _, k in get if k})
     out = [f"Eager vs graph mode (batch {bs}; acceleration = eager no-MTP TPOT / this TPOT):", "",
            "| | eager | graph | graph / eager |", "|---|---|---|---|"]
@@ -182,9 +184,9 @@ def targets(recs: list[dict]) -> list[str]:
     for rec in lat:
         rows = rec["results"]["configs"]
         dtype = rec.get("args", {}).get("dtype", "auto")
-        for m in dict.fromkeys(r.get("mode") for r in rows):
-            where = f"{m or _mode(rec)}, {dtype}"
-            mrows = [r for r in rows if r.get("mode") == m]
+        for m, vocab in dict.fromkeys((r.get("mode"), r.get("draft_vocab_size")) for r in rows):
+            where = f"{m or _mode(rec)}, {dtype}" + (f", draft vocab {vocab}" if vocab else "")
+            mrows = [r for r in rows if r.get("mode") == m and (r["k"] == 0 or r.get("draft_vocab_size") == vocab)]
             b1 = [r for r in mrows if r["batch_size"] == 1 and r["k"] and r["scorer"] == "mqa"]
             k1 = next((r for r in b1 if r["k"] == 1), None)
             if k1:
@@ -202,7 +204,7 @@ def targets(recs: list[dict]) -> list[str]:
                     best = max(cand, key=lambda r: r["tpot_speedup"])
                     out.append(f"| batch {bs} ({where}): does speculation pay? | best {best['name']}: "
                                f"{best['tpot_speedup']:.2f}x TPOT | {verdict(best['tpot_speedup'])} |")
-            g0 = next((r for r in mrows if m == "graph" and r["batch_size"] == 1 and r["k"] == 0), None)
+            g0 = next((r for r in mrows if m == "graph" and not vocab and r["batch_size"] == 1 and r["k"] == 0), None)
             if g0 and g0.get("graph_tpot_speedup_vs_eager"):
                 v = g0["graph_tpot_speedup_vs_eager"]
                 out.append(f"| batch 1 ({dtype}): graph-mode decode >= 1.3x eager | {v:.2f}x | "
