@@ -6,10 +6,11 @@ cd "$(dirname "$0")/.."
 R=docs/bench_results
 mkdir -p $R
 B="mtpserve bench"
-# Batch 1, eager and graph mode side by side (the seed's graph table), in fp32 and in bf16 (the checkpoint's dtype)
+# Batch 1, eager and graph mode side by side (the seed's graph table), in fp32 and in bf16 (the checkpoint's dtype),
+# each MTP config with the whole vocabulary and with a 2048-token draft vocabulary
 for dt in float32 bfloat16; do
-  $B latency --batch-sizes 1 --ks 0,1,2,3,4 --modes eager,graph --dtype $dt --input-len 32 --output-len 64 \
-    --num-iters 6 --threads 1 --output-json $R/latency_b1_$dt.json
+  $B latency --batch-sizes 1 --ks 0,1,2,3,4 --modes eager,graph --draft-vocab-sizes 0,2048 --dtype $dt \
+    --input-len 32 --output-len 64 --num-iters 6 --threads 1 --output-json $R/latency_b1_$dt.json
 done
 $B latency --batch-sizes 1,8,32 --ks 0,1,2,3,4 --scorers mqa,batch_expansion --input-len 32 --output-len 64 \
   --num-iters 3 --threads 1 --enforce-eager --output-json $R/latency.json
@@ -17,6 +18,8 @@ $B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --
   --output-json $R/peers.json
 $B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --graph-mode \
   --output-json $R/peers_graph.json
+$B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --graph-mode \
+  --dtype bfloat16 --output-json $R/peers_graph_bf16.json
 $B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
   --output-json $R/throughput_no_mtp.json
 $B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
@@ -39,6 +42,6 @@ for spec in none mtp_k2; do
   kill $server; wait $server || true
 done
 $B report --results $R/latency_b1_float32.json $R/latency_b1_bfloat16.json $R/latency.json $R/peers.json \
-  $R/peers_graph.json $R/throughput_no_mtp.json \
+  $R/peers_graph.json $R/peers_graph_bf16.json $R/throughput_no_mtp.json \
   $R/throughput_mtp_k2.json $R/serve_none_c{1,4,16}.json $R/serve_mtp_k2_c{1,4,16}.json $R/roofline.json $R/latency_synthetic_300m.json \
   --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md
