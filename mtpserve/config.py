@@ -132,13 +132,15 @@ class ModelConfig:
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "mtp"
+    method: str = "mtp"                     # "mtp" (alias "deepseek_mtp") | "ngram" (prompt lookup, spec/ngram.py)
     num_speculative_tokens: int = 1
     draft_sampling: str = "probabilistic"   # "probabilistic" | "greedy"
     verification: str = "token"             # "token" | "block"
     scorer: str = "mqa"                     # "mqa" | "batch_expansion"
     synthetic_acceptance: float | None = None  # measurement mode only (bench); never lossless
     draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec/draft_vocab.py)
+    prompt_lookup_max: int = 4               # ngram: the longest suffix looked up
+    prompt_lookup_min: int = 1               # ngram: the shortest
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -153,7 +155,7 @@ class SpeculativeConfig:
         cfg = cls(**d)
         if cfg.method == "deepseek_mtp":
             cfg.method = "mtp"
-        choices = {"method": ("mtp",), "draft_sampling": ("probabilistic", "greedy"),
+        choices = {"method": ("mtp", "ngram"), "draft_sampling": ("probabilistic", "greedy"),
                    "verification": ("token", "block"), "scorer": ("mqa", "batch_expansion")}
         for name, allowed in choices.items():
             if getattr(cfg, name) not in allowed:
@@ -166,6 +168,15 @@ class SpeculativeConfig:
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"speculative_config.draft_vocab_size = {size!r}: must be a positive integer "
                              "(at most the vocabulary size)")
+        if size is not None and cfg.method != "mtp":
+            raise ValueError("speculative_config.draft_vocab_size: only for method 'mtp' (the MTP head)")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            n = getattr(cfg, name)
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
+                raise ValueError(f"speculative_config.{name} = {n!r}: must be an integer in [1, 64]")
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min = {cfg.prompt_lookup_min}: must be at most "
+                             f"prompt_lookup_max = {cfg.prompt_lookup_max}")
         return cfg
 
 

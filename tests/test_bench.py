@@ -113,6 +113,17 @@ def test_bench_latency_draft_vocab_axis(ckpt, tmp_path):
     assert sum("ITL(k=1)" in line for line in lines) == 2
 
 
+def test_bench_latency_ngram(ckpt, tmp_path):
+    from mtpserve.bench import report
+    rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,2", "--speculative-config", '{"method": "ngram"}',
+                   "--input-len", "8", "--output-len", "8", "--num-iters", "1"], tmp_path / "ng.json")
+    rows = rec["results"]["configs"]
+    assert [r["name"] for r in rows] == ["no_mtp", "ngram_k2_mqa"] and rows[1]["method"] == "ngram"
+    assert rows[1]["greedy_tokens_equal_no_mtp"] is True
+    assert any("ngram drafts): best k" in line for line in report.targets([rec]))
+    assert any("| ngram k=2 |" in line for line in report.latency_tables(rec))
+
+
 def test_bench_latency_synthetic(ckpt, tmp_path):
     rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,2", "--synthetic-acceptance", "1.0",
                    "--input-len", "4", "--output-len", "7", "--num-iters", "1"], tmp_path / "syn.json")

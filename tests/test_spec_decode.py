@@ -128,7 +128,10 @@ def exact_joint(path, prompt, params, n_tokens):
     {"num_speculative_tokens": 1, "draft_sampling": "greedy"},
     {"num_speculative_tokens": 2, "draft_sampling": "greedy", "verification": "block"},
     {"num_speculative_tokens": 2, "draft_vocab_size": 3},
-], ids=["token-prob", "block-prob", "token-greedydraft", "block-greedydraft", "token-prob-draftvocab"])
+    {"method": "ngram", "num_speculative_tokens": 2},
+    {"method": "ngram", "num_speculative_tokens": 2, "verification": "block"},
+], ids=["token-prob", "block-prob", "token-greedydraft", "block-greedydraft", "token-prob-draftvocab", "token-ngram",
+        "block-ngram"])
 def test_sampling_is_lossless(tmp_path_factory, spec):
     """Chi-square of the first two generated tokens over many seeded requests against the exact joint
     distribution computed from the model itself (vocab 6, so 36 cells)."""

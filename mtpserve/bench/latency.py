@@ -24,9 +24,9 @@ def spec_dict(k: int, scorer: str, base: dict | None, synthetic: float | None, d
     return d
 
 
-def config_name(k: int, scorer: str, mode: str | None = None, draft_vocab: int = 0) -> str:
+def config_name(k: int, scorer: str, mode: str | None = None, draft_vocab: int = 0, method: str = "mtp") -> str:
     """mode: None when the sweep runs one mode (names as before), else "eager"/"graph" appended."""
-    name = "no_mtp" if k == 0 else f"mtp_k{k}_{scorer}" + (f"_dv{draft_vocab}" if draft_vocab else "")
+    name = "no_mtp" if k == 0 else f"{method}_k{k}_{scorer}" + (f"_dv{draft_vocab}" if draft_vocab else "")
     return name if mode is None else f"{name}_{mode}"
 
 
@@ -105,10 +105,12 @@ def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str],
     """-> {"configs": [...], "prompts": ..., "outputs_match_no_mtp": ...}. One engine per (mode, k, scorer,
     draft vocabulary size; 0 = the whole vocabulary); modes ("eager", "graph") given: both run side by side,
     else the one enforce_eager says."""
+    from mtpserve.config import SpeculativeConfig
     from mtpserve.engine.engine import LLMEngine
     max_batch = max(batch_sizes)
     mode_list = modes or [None]
     vocabs = draft_vocab_sizes or [0]
+    method = SpeculativeConfig.from_dict(spec_base or {}).method
     configs = [(m, k, s, v) for m in mode_list for k in ks for s in (scorers if k else scorers[:1])
                for v in (vocabs if k else [0])]
     engines = {}
@@ -128,7 +130,7 @@ def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str],
             for c in configs:
                 r = run_batch(engines[c], prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
                 runs[(bs, *c)].append(r)
-                log(f"  iter {it} batch {bs:3d} {config_name(c[1], c[2], c[0], c[3]):30s} {r['duration']:.3f}s "
+                log(f"  iter {it} batch {bs:3d} {config_name(c[1], c[2], c[0], c[3], method):30s} {r['duration']:.3f}s "
                     f"accept-len {r['spec']['mean_acceptance_length']:.2f}")
 
     def same_tokens(a, b):
@@ -138,7 +140,8 @@ def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str],
     for bs in batch_sizes:
         for m, k, s, v in configs:
             agg = aggregate(runs[(bs, m, k, s, v)])
-            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s, m, v), mode=m,
+            row = dict(batch_size=bs, k=k, scorer=s if k else None, name=config_name(k, s, m, v, method), mode=m,
+                       method=method if k else None,
                        draft_vocab_size=v or None, graph_build_seconds=engines[(m, k, s, v)].graph_warmup_seconds,
                        **agg)
             if 0 in ks:   # against no MTP in the same mode (graphs may round differently from eager)

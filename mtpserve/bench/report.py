@@ -39,7 +39,8 @@ def latency_tables(rec: dict) -> list[str]:
         for r in rows:
             if r["batch_size"] == seed_bs and r.get("mode") == m and (
                     r["k"] == 0 or r["scorer"] == "mqa" or "mqa" not in {x["scorer"] for x in rows}):
-                name = "no MTP" if r["k"] == 0 else f"MTP k={r['k']}" + (
+                drafter = "MTP" if r.get("method", "mtp") == "mtp" else r["method"]
+                name = "no MTP" if r["k"] == 0 else f"{drafter} k={r['k']}" + (
                     f", draft vocab {r['draft_vocab_size']}" if r.get("draft_vocab_size") else "")
                 out.append(f"| {name} | {_f(r['itl_ms']['mean'])} | {_f(r['tpot_ms']['mean'])} | "
                            f"{_f(r['acceptance_rate'], '{:.3f}')} | {_f(r['mean_acceptance_length'])} | "
@@ -185,7 +186,9 @@ def targets(recs: list[dict]) -> list[str]:
         rows = rec["results"]["configs"]
         dtype = rec.get("args", {}).get("dtype", "auto")
         for m, vocab in dict.fromkeys((r.get("mode"), r.get("draft_vocab_size")) for r in rows):
-            where = f"{m or _mode(rec)}, {dtype}" + (f", draft vocab {vocab}" if vocab else "")
+            drafter = next((r.get("method") or "mtp" for r in rows if r["k"]), "mtp")
+            where = f"{m or _mode(rec)}, {dtype}" + (f", draft vocab {vocab}" if vocab else "") + (
+                f", {drafter} drafts" if drafter != "mtp" else "")
             mrows = [r for r in rows if r.get("mode") == m and (r["k"] == 0 or r.get("draft_vocab_size") == vocab)]
             b1 = [r for r in mrows if r["batch_size"] == 1 and r["k"] and r["scorer"] == "mqa"]
             k1 = next((r for r in b1 if r["k"] == 1), None)

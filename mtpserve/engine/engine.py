@@ -45,7 +45,7 @@ class LLMEngine:
         path = cfg.model or default_model_path()
         self.model_config = ModelConfig.from_pretrained(path)
         spec = cfg.speculative
-        if spec is not None and self.model_config.num_nextn_predict_layers == 0:
+        if spec is not None and spec.method == "mtp" and self.model_config.num_nextn_predict_layers == 0:
             raise ValueError("speculative_config: method 'mtp' needs a checkpoint with MTP layers "
                              "(num_nextn_predict_layers = 0 in its config.json)")
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
@@ -64,7 +64,8 @@ class LLMEngine:
         if cfg.max_num_batched_tokens < 1 + k:
             raise ValueError(f"max_num_batched_tokens = {cfg.max_num_batched_tokens}: must be at least "
                              f"1 + num_speculative_tokens = {1 + k}")
-        self.num_lookahead_slots = k   # MTP passes 1..k-1 write up to k-1 slots past the verified ones
+        # MTP passes 1..k-1 write up to k-1 slots past the verified ones (n-gram drafting writes none)
+        self.num_lookahead_slots = k if spec is not None and spec.method == "mtp" else 0
         self.max_step_overshoot = 2 * k + 1   # slots past the last token a step may need: k drafts + lookahead
         num_blocks = cfg.num_kv_blocks or self._kv_blocks_from_memory()
         self.block_manager = BlockManager(num_blocks, cfg.block_size)

@@ -8,6 +8,7 @@ from mtpserve.engine.scheduler import ScheduledRequest
 from mtpserve.runner.batch import Row, build_batch
 from mtpserve.runner.graphs import GraphRunner
 from mtpserve.sampling.sampler import draw, logits_to_probs, sample, sampling_tensors
+from mtpserve.spec.ngram import NgramProposer
 from mtpserve.spec.proposer import MTPProposer
 from mtpserve.spec.verify import verify_tokens
 
@@ -37,7 +38,8 @@ class ModelRunner:
         """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot)."""
         cfg = model.config
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
-        num_mtp_caches = max(1, min(cfg.num_nextn_predict_layers, spec.num_speculative_tokens)) if spec else 0
+        mtp = spec is not None and spec.method == "mtp"
+        num_mtp_caches = max(1, min(cfg.num_nextn_predict_layers, spec.num_speculative_tokens)) if mtp else 0
         # One more block than the manager hands out: slot -1 (padding) lands in its last row.
         self.kv_caches = [torch.zeros(num_blocks + 1, block_size, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
                           for _ in range(cfg.num_hidden_layers + num_mtp_caches)]
@@ -49,9 +51,11 @@ class ModelRunner:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
                                       max_span, device)
         self.proposer = None
-        if spec is not None:
+        if mtp:
             self.proposer = MTPProposer(model, spec, self.forward, self.generator, device)
             self.proposer.static_shapes = self.graphs is not None
+        elif spec is not None:   # one verify path for every drafter: only the proposer differs
+            self.proposer = NgramProposer(spec)
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
@@ -72,7 +76,7 @@ class ModelRunner:
             return 0.0
         k = self.spec.num_speculative_tokens if self.spec else 0
         shapes = [("main", 1 + k)]
-        if k:
+        if k and self.spec.method == "mtp":
             shapes.append(("mtp0", 1 + k))
             shapes += [("mtp0", 1)] if k > 1 else []   # graph mode drafts every depth with layer 0
         self.graphs.warm_up(shapes)

@@ -1,0 +1,42 @@
+"""N-gram drafting (prompt lookup decoding): the drafter that needs no model.
+
+The last n tokens of a request (n from `prompt_lookup_max` down to `prompt_lookup_min`) are looked up in its
+own earlier tokens, prompt and output; the k tokens that followed their most recent earlier occurrence are the
+drafts. Code, quotes and edits repeat their context, so drafts are often right and cost nothing to make.
+Drafts are one-hot (p_draft = 1 on the drafted token), verified by the same path as MTP's greedy drafts, so
+the output stays exactly the target model's. A request with no match verifies nothing that step.
+"""
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def find_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int] | None:
+    """The k tokens after the most recent earlier occurrence of tokens' last n tokens, for the largest n in
+    [min_n, max_n] that has one with k tokens after it; None if none does."""
+    seq = np.asarray(tokens)
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        # candidate starts j: seq[j:j+n] == the last n tokens, j + n + k <= len(seq) (k known tokens after it;
+        # they may overlap the suffix itself)
+        last_start = len(seq) - n - k
+        if last_start < 0:
+            continue
+        windows = sliding_window_view(seq[:last_start + n], n)
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        if len(hits):
+            j = int(hits[-1])
+            return seq[j + n:j + n + k].tolist()
+    return None
+
+
+class NgramProposer:
+    static_shapes = False
+
+    def __init__(self, spec):
+        self.k, self.max_n, self.min_n = spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
+
+    def propose(self, scheduled, hidden, offsets, results) -> None:
+        """Sets results[i].next_drafts for every request that sampled this step and whose context repeats."""
+        for s, r in zip(scheduled, results):
+            if s.samples:
+                r.next_drafts = find_continuation(s.req.all_token_ids + r.new_token_ids, self.k, self.max_n,
+                                                  self.min_n)

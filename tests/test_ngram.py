@@ -1,0 +1,80 @@
+"""N-gram (prompt lookup) drafting through the same verify path as MTP: lossless, and it needs no MTP layers."""
+import pytest
+
+from mtpserve import LLM, SamplingParams
+from mtpserve.config import SpeculativeConfig
+from mtpserve.spec.ngram import find_continuation
+from tiny_models import random_checkpoint, trained_checkpoint
+from test_spec_decode import check_metrics, run
+
+
+def test_find_continuation_takes_the_longest_suffix_and_its_latest_match():
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 6, 7, 3, 5, 6, 7]
+    assert find_continuation(tokens, 2, 3, 1) == [8, 9]      # "5 6 7" matches at 0 only
+    assert find_continuation(tokens, 2, 2, 1) == [3, 5]      # "6 7": the latest match (at 5)
+    assert find_continuation(tokens, 4, 3, 1) == [8, 9, 6, 7]
+    assert find_continuation([1, 2, 3, 1], 2, 3, 1) == [2, 3]
+    assert find_continuation([1, 2, 3, 1], 3, 3, 1) == [2, 3, 1]   # the continuation may run into the suffix
+    assert find_continuation([1, 2, 3, 1], 4, 3, 1) is None        # not k tokens after any match
+    assert find_continuation([1, 2, 3, 4], 1, 3, 1) is None        # nothing repeats
+    assert find_continuation([1, 2, 1, 2], 1, 4, 2) == [1]
+    assert find_continuation([7], 1, 3, 1) is None
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max"),
+    ({"method": "ngram", "draft_vocab_size": 8}, "draft_vocab_size"),
+    ({"method": "eagle"}, "method"),
+])
+def test_bad_ngram_config(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.from_dict(bad)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return trained_checkpoint(tmp_path_factory.mktemp("ng"), num_mtp_layers=1)
+
+
+def repeating_prompts():
+    """Counting patterns (what the trained checkpoint continues) long enough to wrap around, so the context
+    repeats and lookups find matches."""
+    return [[2 + (i * s) % 46 for i in range(n)] for s, n in [(1, 50), (3, 20), (1, 7), (2, 60)]]
+
+
+@pytest.mark.parametrize("k, scorer", [(1, "mqa"), (3, "mqa"), (2, "batch_expansion")])
+def test_greedy_identical_to_no_speculation(trained, k, scorer):
+    prompts = repeating_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base, _ = run(trained, None, prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": k, "scorer": scorer}
+    out, m = run(trained, spec, prompts, params, max_num_batched_tokens=32)
+    assert out == base
+    check_metrics(m, k)
+    assert m["num_drafts"] > 10 and m["acceptance_rate"] > 0.5   # the patterns repeat: drafts are right
+
+
+def test_works_without_mtp_layers(tmp_path):
+    path = random_checkpoint(tmp_path, num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="MTP layers"):
+        LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 40)) * 2, [9, 9, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base, _ = run(path, None, prompts, params)
+    out, m = run(path, {"method": "ngram", "num_speculative_tokens": 2}, prompts, params)
+    assert out == base
+    check_metrics(m, 2)
+    assert m["num_drafts"] > 0
+    llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert not llm.engine.runner.mtp_caches   # no MTP cache is allocated
+
+
+def test_graph_mode(trained):
+    prompts = repeating_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base, _ = run(trained, None, prompts, params)
+    out, m = run(trained, {"method": "ngram", "num_speculative_tokens": 2}, prompts[:1], params,
+                 enforce_eager=False, graph_batch_sizes=[1])
+    assert out == base[:1] and m["num_accepted_tokens"] > 0
