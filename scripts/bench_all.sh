@@ -12,6 +12,9 @@ for dt in float32 bfloat16; do
   $B latency --batch-sizes 1 --ks 0,1,2,3,4 --modes eager,graph --draft-vocab-sizes 0,2048 --dtype $dt \
     --input-len 32 --output-len 64 --num-iters 6 --threads 1 --output-json $R/latency_b1_$dt.json
 done
+# The same verify path with n-gram (prompt lookup) drafts: no MTP layer, no draft head
+$B latency --batch-sizes 1 --ks 0,1,2,3 --speculative-config '{"method": "ngram"}' --input-len 32 --output-len 64 \
+  --num-iters 6 --threads 1 --enforce-eager --output-json $R/latency_b1_ngram.json
 $B latency --batch-sizes 1,8,32 --ks 0,1,2,3,4 --scorers mqa,batch_expansion --input-len 32 --output-len 64 \
   --num-iters 3 --threads 1 --enforce-eager --output-json $R/latency.json
 $B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
@@ -41,7 +44,7 @@ for spec in none mtp_k2; do
   done
   kill $server; wait $server || true
 done
-$B report --results $R/latency_b1_float32.json $R/latency_b1_bfloat16.json $R/latency.json $R/peers.json \
+$B report --results $R/latency_b1_float32.json $R/latency_b1_bfloat16.json $R/latency_b1_ngram.json $R/latency.json $R/peers.json \
   $R/peers_graph.json $R/peers_graph_bf16.json $R/throughput_no_mtp.json \
   $R/throughput_mtp_k2.json $R/serve_none_c{1,4,16}.json $R/serve_mtp_k2_c{1,4,16}.json $R/roofline.json $R/latency_synthetic_300m.json \
   --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md
