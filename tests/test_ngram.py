@@ -56,6 +56,24 @@ def test_greedy_identical_to_no_speculation(trained, k, scorer):
     assert m["num_drafts"] > 10 and m["acceptance_rate"] > 0.5   # the patterns repeat: drafts are right
 
 
+def test_greedy_identical_with_chunked_prefill_and_preemption(trained):
+    prompts = repeating_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base, _ = run(trained, None, prompts, params)
+    engine = LLM(trained, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                 max_num_batched_tokens=16, num_kv_blocks=40, block_size=4).engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), None, p, params)
+    preempted, out = 0, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] = o.outputs[0].token_ids
+        preempted = max(preempted, sum(r.num_preemptions for r in engine.requests.values()))
+    assert preempted > 0
+    assert [out[str(i)] for i in range(len(prompts))] == base
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_works_without_mtp_layers(tmp_path):
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="MTP layers"):
