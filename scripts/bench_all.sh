@@ -13,8 +13,8 @@ for dt in float32 bfloat16; do
     --input-len 32 --output-len 64 --num-iters 6 --threads 1 --output-json $R/latency_b1_$dt.json
 done
 # The same verify path with n-gram (prompt lookup) drafts: no MTP layer, no draft head
-$B latency --batch-sizes 1 --ks 0,1,2,3 --speculative-config '{"method": "ngram"}' --input-len 32 --output-len 64 \
-  --num-iters 6 --threads 1 --enforce-eager --output-json $R/latency_b1_ngram.json
+$B latency --batch-sizes 1 --ks 0,1,2,3 --modes eager,graph --speculative-config '{"method": "ngram"}' \
+  --input-len 32 --output-len 64 --num-iters 6 --threads 1 --output-json $R/latency_b1_ngram.json
 $B latency --batch-sizes 1,8,32 --ks 0,1,2,3,4 --scorers mqa,batch_expansion --input-len 32 --output-len 64 \
   --num-iters 3 --threads 1 --enforce-eager --output-json $R/latency.json
 $B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --threads 1 --enforce-eager \

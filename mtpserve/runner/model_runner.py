@@ -76,7 +76,9 @@ class ModelRunner:
             return 0.0
         k = self.spec.num_speculative_tokens if self.spec else 0
         shapes = [("main", 1 + k)]
-        if k and self.spec.method == "mtp":
+        if k and self.spec.method != "mtp":   # n-gram: a request whose context has no match decodes one token
+            shapes.append(("main", 1))
+        elif k:
             shapes.append(("mtp0", 1 + k))
             shapes += [("mtp0", 1)] if k > 1 else []   # graph mode drafts every depth with layer 0
         self.graphs.warm_up(shapes)
