@@ -130,6 +130,13 @@ class ModelConfig:
             refuse("quantization_config", "only block-wise 'fp8' checkpoints are supported")
 
 
+def check_int_in_range(field: str, value, low: int, high: int | None, what: str = "") -> None:
+    """ValueError naming the field and the limits unless value is an int (not a bool) in [low, high]."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        limits = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{field} = {value!r}: must be an integer {limits}" + (f" ({what})" if what else ""))
+
+
 @dataclass
 class SpeculativeConfig:
     method: str = "mtp"                     # "mtp" (alias "deepseek_mtp") | "ngram" (prompt lookup, spec/ngram.py)
@@ -139,8 +146,8 @@ class SpeculativeConfig:
     scorer: str = "mqa"                     # "mqa" | "batch_expansion"
     synthetic_acceptance: float | None = None  # measurement mode only (bench); never lossless
     draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec/draft_vocab.py)
-    prompt_lookup_max: int = 4               # ngram: the longest suffix looked up
-    prompt_lookup_min: int = 1               # ngram: the shortest
+    prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (default 4)
+    prompt_lookup_min: int | None = None     # ngram: the shortest (default 1)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -164,19 +171,20 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16]")
         if cfg.synthetic_acceptance is not None and not 0.0 <= cfg.synthetic_acceptance <= 1.0:
             raise ValueError("speculative_config.synthetic_acceptance must be in [0, 1]")
-        size = cfg.draft_vocab_size
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-            raise ValueError(f"speculative_config.draft_vocab_size = {size!r}: must be a positive integer "
-                             "(at most the vocabulary size)")
-        if size is not None and cfg.method != "mtp":
-            raise ValueError("speculative_config.draft_vocab_size: only for method 'mtp' (the MTP head)")
+        only_for = {"draft_vocab_size": "mtp", "prompt_lookup_max": "ngram", "prompt_lookup_min": "ngram"}
+        for name, method in only_for.items():
+            if getattr(cfg, name) is not None and cfg.method != method:
+                raise ValueError(f"speculative_config.{name}: only for method {method!r}, not {cfg.method!r}")
+        if cfg.draft_vocab_size is not None:
+            check_int_in_range("speculative_config.draft_vocab_size", cfg.draft_vocab_size, 1, None,
+                               "at most the vocabulary size")
+        from mtpserve.spec.ngram import DEFAULT_MAX_N
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            n = getattr(cfg, name)
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
-                raise ValueError(f"speculative_config.{name} = {n!r}: must be an integer in [1, 64]")
-        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            if getattr(cfg, name) is not None:
+                check_int_in_range(f"speculative_config.{name}", getattr(cfg, name), 1, 64)
+        if cfg.prompt_lookup_min is not None and cfg.prompt_lookup_min > (cfg.prompt_lookup_max or DEFAULT_MAX_N):
             raise ValueError(f"speculative_config.prompt_lookup_min = {cfg.prompt_lookup_min}: must be at most "
-                             f"prompt_lookup_max = {cfg.prompt_lookup_max}")
+                             f"prompt_lookup_max = {cfg.prompt_lookup_max or DEFAULT_MAX_N}")
         return cfg
 
 

@@ -110,6 +110,9 @@ def test_bench_latency_draft_vocab_axis(ckpt, tmp_path):
     assert all(r["greedy_tokens_equal_no_mtp"] for r in rows)
     lines = report.targets([rec])
     assert any("draft vocab 16): TPOT speedup k=1" in line for line in lines)
+    from mtpserve.bench import latency
+    assert latency.spec_dict(1, "mqa", None, None, 16)["draft_vocab_size"] == 16   # the engines really get it
+    assert "draft_vocab_size" not in latency.spec_dict(1, "mqa", None, None, 0)
     assert sum("ITL(k=1)" in line for line in lines) == 2
 
 

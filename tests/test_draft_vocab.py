@@ -2,6 +2,7 @@
 still exactly the target model's (greedy identical; sampling lossless in test_spec_decode)."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -41,8 +42,13 @@ def test_bad_draft_vocab_size_is_refused(trained, tmp_path):
     no_counts = tmp_path / "no_counts"
     shutil.copytree(trained, no_counts)
     os.remove(no_counts / FREQUENCIES_FILE)
+    spec = {"num_speculative_tokens": 1, "draft_vocab_size": 8}
     with pytest.raises(ValueError, match=FREQUENCIES_FILE):
-        LLM(str(no_counts), speculative_config={"num_speculative_tokens": 1, "draft_vocab_size": 8})
+        LLM(str(no_counts), speculative_config=spec)
+    for counts, found in [([1] * 5, "5 counts"), ([0] * PATTERN_VOCAB, "48 counts")]:
+        write_frequencies(str(no_counts), counts, "bad counts")
+        with pytest.raises(ValueError, match=f"{found} \\(need 48, one per token id, not all zero\\)"):
+            LLM(str(no_counts), speculative_config=spec)
 
 
 @pytest.mark.parametrize("k, size", [(1, 24), (3, 24), (2, 1)])
@@ -69,6 +75,16 @@ def test_greedy_identical_and_drafts_from_the_draft_vocab(trained, k, size):
         assert m["accepted_per_position"][0] > 0.2 * m["num_drafts"]
 
 
+def test_greedy_requests_unchanged_next_to_sampling_ones(trained):
+    prompts = prompts_for()
+    base, _ = run(trained, None, prompts)
+    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "draft_vocab_size": 24})
+    sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
+    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[::2]] == base[::2]
+
+
 def test_sampled_drafts_carry_their_distribution_over_the_whole_vocabulary(trained):
     llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "draft_vocab_size": 24})
     results = []
@@ -91,7 +107,7 @@ def test_sampled_drafts_carry_their_distribution_over_the_whole_vocabulary(train
         assert all(probs[j, t] > 0 for j, t in enumerate(r.next_drafts))
 
 
-def test_cli_counts_the_corpus_with_the_checkpoints_tokenizer(tmp_path):
+def test_cli_counts_the_corpus_with_the_checkpoints_tokenizer(tmp_path, capsys):
     from tokenizers import Tokenizer
 
     from mtpserve.cli import main
@@ -113,3 +129,8 @@ def test_cli_counts_the_corpus_with_the_checkpoints_tokenizer(tmp_path):
         for t in tok.encode(text, add_special_tokens=False).ids:
             expected[t] += 1
     assert saved["counts"] == expected and saved["num_tokens"] == sum(expected)
+    for argv, error in [(["--corpus", str(corpus), "--pattern", "*.rs"], "no tokens counted"),
+                        (["--corpus", str(tmp_path / "missing")], "--corpus: .* does not exist")]:
+        with pytest.raises(SystemExit):
+            main(["draft-vocab", "--model", str(model_dir)] + argv)
+        assert re.search(error, capsys.readouterr().err)

@@ -9,7 +9,7 @@ from test_spec_decode import check_metrics, run
 
 
 def test_find_continuation_takes_the_longest_suffix_and_its_latest_match():
-    #        0  1  2  3  4  5  6  7  8  9
+    #        0  1  2  3  4  5  6  7  8  9 10
     tokens = [5, 6, 7, 8, 9, 6, 7, 3, 5, 6, 7]
     assert find_continuation(tokens, 2, 3, 1) == [8, 9]      # "5 6 7" matches at 0 only
     assert find_continuation(tokens, 2, 2, 1) == [3, 5]      # "6 7": the latest match (at 5)
@@ -19,6 +19,8 @@ def test_find_continuation_takes_the_longest_suffix_and_its_latest_match():
     assert find_continuation([1, 2, 3, 1], 4, 3, 1) is None        # not k tokens after any match
     assert find_continuation([1, 2, 3, 4], 1, 3, 1) is None        # nothing repeats
     assert find_continuation([1, 2, 1, 2], 1, 4, 2) == [1]
+    assert find_continuation([1, 2, 3, 1], 1, 3, 2) is None        # only a 1-token match; min_n is 2
+    assert find_continuation([3, 1, 2, 9, 1, 2, 8, 1, 2], 1, 2, 1) == [8]   # the latest of equal matches
     assert find_continuation([7], 1, 3, 1) is None
 
 
@@ -27,6 +29,8 @@ def test_find_continuation_takes_the_longest_suffix_and_its_latest_match():
     ({"method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max"),
     ({"method": "ngram", "draft_vocab_size": 8}, "draft_vocab_size"),
     ({"method": "eagle"}, "method"),
+    ({"method": "mtp", "prompt_lookup_max": 3}, "prompt_lookup_max: only for method 'ngram'"),
+    ({"method": "ngram", "prompt_lookup_min": 5}, "prompt_lookup_min = 5: must be at most prompt_lookup_max = 4"),
 ])
 def test_bad_ngram_config(bad, field):
     with pytest.raises(ValueError, match=field):

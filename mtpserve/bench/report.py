@@ -185,8 +185,8 @@ def targets(recs: list[dict]) -> list[str]:
     for rec in lat:
         rows = rec["results"]["configs"]
         dtype = rec.get("args", {}).get("dtype", "auto")
+        drafter = next((r.get("method") or "mtp" for r in rows if r["k"]), "mtp")
         for m, vocab in dict.fromkeys((r.get("mode"), r.get("draft_vocab_size")) for r in rows):
-            drafter = next((r.get("method") or "mtp" for r in rows if r["k"]), "mtp")
             where = f"{m or _mode(rec)}, {dtype}" + (f", draft vocab {vocab}" if vocab else "") + (
                 f", {drafter} drafts" if drafter != "mtp" else "")
             mrows = [r for r in rows if r.get("mode") == m and (r["k"] == 0 or r.get("draft_vocab_size") == vocab)]

@@ -61,7 +61,7 @@ def add_prefilled(engine: LLMEngine, h: PrefillHandoff) -> None:
         raise ValueError(f"handoff: {len(h.draft_token_ids)} drafts, this engine verifies num_speculative_tokens={k}")
     if len(h.kv) != len(engine.runner.kv_caches):
         raise ValueError(f"handoff: {len(h.kv)} KV caches, this engine has {len(engine.runner.kv_caches)} "
-                         "(both engines need the same model and num_speculative_tokens)")
+                         "(both engines need the same model, speculative method and num_speculative_tokens)")
     engine.add_request(h.request_id, h.prompt, h.prompt_token_ids, h.params)
     req: Request = engine.requests[h.request_id]
     engine.scheduler.waiting.remove(req)

@@ -11,7 +11,7 @@ from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.model.loader import load_model
-from mtpserve.runner.model_runner import ModelRunner
+from mtpserve.runner.model_runner import ModelRunner, num_mtp_caches
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.spec.draft_vocab import load_draft_vocab
 from mtpserve.spec.metrics import SpecDecodeMetrics
@@ -66,7 +66,8 @@ class LLMEngine:
                              f"1 + num_speculative_tokens = {1 + k}")
         # MTP passes 1..k-1 write up to k-1 slots past the verified ones (n-gram drafting writes none)
         self.num_lookahead_slots = k if spec is not None and spec.method == "mtp" else 0
-        self.max_step_overshoot = 2 * k + 1   # slots past the last token a step may need: k drafts + lookahead
+        # slots past the last token a step may need: the pending token, k drafts and the lookahead
+        self.max_step_overshoot = k + 1 + self.num_lookahead_slots
         num_blocks = cfg.num_kv_blocks or self._kv_blocks_from_memory()
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -94,7 +95,7 @@ class LLMEngine:
 
     def _kv_blocks_from_memory(self) -> int:
         mc, cfg = self.model_config, self.config
-        layers = mc.num_hidden_layers + mc.num_nextn_predict_layers
+        layers = mc.num_hidden_layers + num_mtp_caches(mc, cfg.speculative)
         bytes_per_block = layers * cfg.block_size * mc.kv_cache_dim * torch.finfo(self.dtype).bits // 8
         if self.device.type == "cuda":
             budget = torch.cuda.mem_get_info(self.device)[0] * cfg.kv_cache_memory_fraction

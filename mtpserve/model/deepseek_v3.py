@@ -54,9 +54,9 @@ class MTPLayer(DecoderLayer):
         self.self_attn.write_kv(self.input_layernorm(x), positions, meta.slot_mapping, kv_cache)
         return super().forward(x[output_index], positions[output_index], meta.select(output_index), kv_cache)
 
-    def logits(self, hidden: torch.Tensor, draft_vocab: bool = False) -> torch.Tensor:
-        """Over the whole vocabulary, or (draft_vocab) over the draft vocabulary's tokens only."""
-        weight = self.draft_head if draft_vocab and self.draft_head is not None else self.shared_head.head.weight
+    def logits(self, hidden: torch.Tensor, restricted: bool = False) -> torch.Tensor:
+        """Over the whole vocabulary, or (restricted) over the draft vocabulary's tokens only, if one is set."""
+        weight = self.draft_head if restricted and self.draft_head is not None else self.shared_head.head.weight
         return linear(self.shared_head.norm(hidden), weight).float()
 
 
@@ -122,9 +122,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             meta.prepare(positions)
         return self.mtp_layers[depth](input_ids, prev_hidden, positions, meta, kv_cache, output_index)
 
-    def mtp_logits(self, depth: int, hidden: torch.Tensor, draft_vocab: bool = False) -> torch.Tensor:
-        """[N, vocab]; with draft_vocab, [N, len(self.draft_vocab)] (column j scores token draft_vocab[j])."""
-        return self.mtp_layers[depth].logits(hidden, draft_vocab)
+    def mtp_logits(self, depth: int, hidden: torch.Tensor, restricted: bool = False) -> torch.Tensor:
+        """[N, vocab]; restricted and a draft vocabulary set: [N, len(self.draft_vocab)] (column j scores token
+        self.draft_vocab[j])."""
+        return self.mtp_layers[depth].logits(hidden, restricted)
 
     @torch.no_grad()
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:

@@ -31,6 +31,13 @@ def stack_draft_probs(reqs, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
     return probs
 
 
+def num_mtp_caches(cfg, spec: SpeculativeConfig | None) -> int:
+    """MTP KV caches to allocate: one per MTP layer the drafts use (graph mode and DeepSeek-V3 use one)."""
+    if spec is None or spec.method != "mtp":
+        return 0
+    return max(1, min(cfg.num_nextn_predict_layers, spec.num_speculative_tokens))
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
@@ -38,11 +45,9 @@ class ModelRunner:
         """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot)."""
         cfg = model.config
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
-        mtp = spec is not None and spec.method == "mtp"
-        num_mtp_caches = max(1, min(cfg.num_nextn_predict_layers, spec.num_speculative_tokens)) if mtp else 0
         # One more block than the manager hands out: slot -1 (padding) lands in its last row.
         self.kv_caches = [torch.zeros(num_blocks + 1, block_size, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
-                          for _ in range(cfg.num_hidden_layers + num_mtp_caches)]
+                          for _ in range(cfg.num_hidden_layers + num_mtp_caches(cfg, spec))]
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.main_caches = self.kv_caches[:cfg.num_hidden_layers]
         self.mtp_caches = self.kv_caches[cfg.num_hidden_layers:]
@@ -51,7 +56,7 @@ class ModelRunner:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
                                       max_span, device)
         self.proposer = None
-        if mtp:
+        if spec is not None and spec.method == "mtp":
             self.proposer = MTPProposer(model, spec, self.forward, self.generator, device)
             self.proposer.static_shapes = self.graphs is not None
         elif spec is not None:   # one verify path for every drafter: only the proposer differs
@@ -147,7 +152,7 @@ class ModelRunner:
             tokens, accepted = self._synthetic(drafts, target, uniforms, noise)
         else:
             draft_probs = None
-            if self.spec.draft_sampling == "probabilistic":
+            if self.spec.draft_sampling == "probabilistic" and any(r.draft_probs is not None for r in reqs):
                 draft_probs = stack_draft_probs(reqs, drafts, target.shape[-1])
             tokens, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise, self.spec.verification)
         self._record(idx, tokens, accepted, k, results)

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 
 import torch
 
+from mtpserve.config import check_int_in_range
+
 FREQUENCIES_FILE = "token_frequencies.json"
 
 
@@ -35,22 +37,21 @@ def write_frequencies(model_dir: str, counts: list[int], source: str) -> str:
 
 def read_counts(model_dir: str, vocab_size: int) -> list[int]:
     path = os.path.join(model_dir, FREQUENCIES_FILE)
+    rewrite = f"write them with `mtpserve draft-vocab --model {model_dir} --corpus FILE_OR_DIR ...`"
     if not os.path.exists(path):
-        raise ValueError(f"speculative_config.draft_vocab_size needs token counts in {path}: write them with "
-                         f"`mtpserve draft-vocab --model {model_dir} --corpus FILE_OR_DIR ...`")
+        raise ValueError(f"speculative_config.draft_vocab_size needs token counts in {path}: {rewrite}")
     with open(path) as f:
-        counts = json.load(f)["counts"]
-    if len(counts) != vocab_size:
-        raise ValueError(f"{path}: {len(counts)} counts for a vocabulary of {vocab_size} tokens")
+        counts = json.load(f).get("counts")
+    if not isinstance(counts, list) or len(counts) != vocab_size or not any(counts):
+        found = f"{len(counts)} counts" if isinstance(counts, list) else "no 'counts' list"
+        raise ValueError(f"{path}: {found} (need {vocab_size}, one per token id, not all zero); {rewrite}")
     return counts
 
 
 def top_tokens(counts: list[int], size: int) -> torch.Tensor:
     """Ids of the `size` most frequent tokens (ties: the lower id first), in ascending id order."""
     vocab = len(counts)
-    if not isinstance(size, int) or not 1 <= size <= vocab:
-        raise ValueError(f"speculative_config.draft_vocab_size = {size!r}: must be an integer in [1, {vocab}] "
-                         "(the vocabulary size)")
+    check_int_in_range("speculative_config.draft_vocab_size", size, 1, vocab, "the vocabulary size")
     order = sorted(range(vocab), key=lambda t: (-counts[t], t))
     return torch.tensor(sorted(order[:size]), dtype=torch.long)
 
@@ -66,6 +67,8 @@ def corpus_texts(paths: list[str], pattern: str):
     """Each file named, and every file matching `pattern` under each directory named, that reads as UTF-8."""
     from pathlib import Path
     for p in map(Path, paths):
+        if not p.exists():
+            raise ValueError(f"draft-vocab --corpus: {p} does not exist")
         for f in sorted(p.rglob(pattern)) if p.is_dir() else [p]:
             try:
                 yield f.read_text(encoding="utf-8")
@@ -99,5 +102,8 @@ def run_draft_vocab(args) -> None:
         sources.append("the training split of the standard library (mtpserve.train.data)")
     streams = (e.ids for e in tok.encode_batch(texts, add_special_tokens=False))
     counts = count_tokens(streams, ModelConfig.from_pretrained(model_dir).vocab_size)
+    if not any(counts):
+        raise ValueError(f"draft-vocab: no tokens counted (no file matching --pattern {args.pattern!r} under "
+                         "--corpus reads as UTF-8 text)")
     path = write_frequencies(model_dir, counts, "; ".join(sources))
     print(f"{sum(counts)} tokens from {len(texts)} files counted into {path}")

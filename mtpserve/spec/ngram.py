@@ -7,32 +7,39 @@ Drafts are one-hot (p_draft = 1 on the drafted token), verified by the same path
 the output stays exactly the target model's. A request with no match verifies nothing that step.
 """
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+
+DEFAULT_MAX_N, DEFAULT_MIN_N = 4, 1
 
 
 def find_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int] | None:
     """The k tokens after the most recent earlier occurrence of tokens' last n tokens, for the largest n in
     [min_n, max_n] that has one with k tokens after it; None if none does."""
     seq = np.asarray(tokens)
-    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
-        # candidate starts j: seq[j:j+n] == the last n tokens, j + n + k <= len(seq) (k known tokens after it;
-        # they may overlap the suffix itself)
-        last_start = len(seq) - n - k
-        if last_start < 0:
-            continue
-        windows = sliding_window_view(seq[:last_start + n], n)
-        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-        if len(hits):
-            j = int(hits[-1])
-            return seq[j + n:j + n + k].tolist()
-    return None
+    last = len(seq) - 1
+    # candidate occurrences end where the last token recurs with k known tokens after it (they may overlap the
+    # suffix itself); then each is extended backwards while it keeps matching, up to max_n tokens
+    ends = np.flatnonzero(seq[:max(last + 1 - k, 0)] == seq[last])
+    if len(ends) == 0:
+        return None
+    length = np.ones(len(ends), dtype=np.int64)
+    for i in range(1, max_n):
+        growing = (length == i) & (ends >= i)
+        growing[growing] = seq[ends[growing] - i] == seq[last - i]
+        if not growing.any():
+            break
+        length += growing
+    best = int(length.max())
+    if best < min_n:
+        return None
+    end = int(ends[np.flatnonzero(length == best)[-1]])
+    return seq[end + 1:end + 1 + k].tolist()
 
 
 class NgramProposer:
-    static_shapes = False
-
     def __init__(self, spec):
-        self.k, self.max_n, self.min_n = spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
+        self.k = spec.num_speculative_tokens
+        self.max_n = spec.prompt_lookup_max or DEFAULT_MAX_N
+        self.min_n = spec.prompt_lookup_min or min(DEFAULT_MIN_N, self.max_n)
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts for every request that sampled this step and whose context repeats."""

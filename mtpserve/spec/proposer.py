@@ -92,7 +92,7 @@ class MTPProposer:
         """Drafts one token per request, and the distribution it was drawn from over the whole vocabulary.
         With a draft vocabulary the head scores only its tokens: drafts are mapped back to token ids and the
         distribution is zero elsewhere (exactly what was sampled from, so verification stays lossless)."""
-        logits = self.model.mtp_logits(layer, hidden, draft_vocab=True)
+        logits = self.model.mtp_logits(layer, hidden, restricted=True)
         vocab = self.model.draft_vocab
         if self.spec.draft_sampling == "greedy" or all(r.params.greedy for r in reqs):
             token = logits.argmax(-1)   # one-hot drafts: no distribution to keep
