@@ -103,3 +103,27 @@ def test_graph_mode(trained):
     assert {key[2] for key in llm.engine.runner.graphs.graphs if key[0] == "main"} == {1, 3}
     outs = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == base[0] and llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_graph_mode_pads_requests_without_a_match(trained):
+    """At batch > 1 some requests find a match and some do not: the step still runs as one graph (the others
+    padded to 1+k tokens whose KV is dropped), and the output is the target model's."""
+    prompts = repeating_prompts() + [[2, 9, 30, 17, 41, 5]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base, _ = run(trained, None, prompts, params)
+    llm = LLM(trained, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, enforce_eager=False,
+              graph_batch_sizes=[8])
+    runner, shapes = llm.engine.runner, []
+    forward = runner.forward
+
+    def recording(what, rows, *args, **kwargs):
+        if all(len(r.token_ids) <= 3 for r in rows):   # decode / verify steps (prompts are longer)
+            shapes.append((sorted({len(r.token_ids) for r in rows}), runner.graphs.fits(what, rows)))
+        return forward(what, rows, *args, **kwargs)
+
+    runner.forward = recording
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == base
+    assert shapes and all(fits for _, fits in shapes)
+    assert any(sizes == [3] for sizes, _ in shapes)   # padded (or all-matching) verify steps ran
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -8,15 +8,18 @@ from mtpserve.model.attention import AttentionMetadata
 
 @dataclass
 class Row:
-    """Consecutive query tokens of one request, starting at `start`; `block_ids` is its block table."""
+    """Consecutive query tokens of one request, starting at `start`; `block_ids` is its block table.
+    num_kept: only the first num_kept tokens' KV is kept (the rest pad the row to a graph's shape: slot -1)."""
     token_ids: list[int]
     start: int
     block_ids: list[int]
+    num_kept: int | None = None
 
     def slots(self, block_size: int) -> list[int]:
-        """Cache slot (block * block_size + offset) of each of the row's tokens."""
+        """Cache slot (block * block_size + offset) of each of the row's tokens; -1 for padding tokens."""
+        kept = len(self.token_ids) if self.num_kept is None else self.num_kept
         return [self.block_ids[p // block_size] * block_size + p % block_size
-                for p in range(self.start, self.start + len(self.token_ids))]
+                for p in range(self.start, self.start + kept)] + [-1] * (len(self.token_ids) - kept)
 
 
 def build_batch(rows: list[Row], block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

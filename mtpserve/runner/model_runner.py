@@ -91,17 +91,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
-        rows = []
+        rows, offsets = [], [0]   # offsets[i]: where request i's tokens start in the flat batch
+        pad_to = self._graph_query_len(scheduled)
         for s in scheduled:
             tokens = s.req.all_token_ids[s.start:s.start + s.num_new_tokens] + s.draft_token_ids
             if self.spec is not None and self.spec.scorer == "batch_expansion" and s.draft_token_ids:
                 rows += [Row([t], s.start + j, s.req.block_ids) for j, t in enumerate(tokens)]
+            elif len(tokens) < pad_to:   # padding tokens: computed, never kept, never read
+                rows.append(Row(tokens + tokens[-1:] * (pad_to - len(tokens)), s.start, s.req.block_ids, len(tokens)))
             else:
                 rows.append(Row(tokens, s.start, s.req.block_ids))
+            offsets.append(offsets[-1] + max(len(tokens), pad_to))
         hidden = self.forward("main", rows)
-        offsets = [0]
-        for s in scheduled:
-            offsets.append(offsets[-1] + s.num_query_tokens)
         results = [StepResult([]) for _ in scheduled]
         self._sample([i for i, s in enumerate(scheduled) if s.samples and not s.draft_token_ids],
                      scheduled, hidden, offsets, results)
@@ -111,6 +112,18 @@ class ModelRunner:
             self.proposer.propose(scheduled, hidden, offsets, results)
         return results
 
+    def _graph_query_len(self, scheduled) -> int:
+        """Drafters other than MTP leave a request without drafts when they find none; in graph mode a decode
+        batch mixing such requests with ones verifying k drafts is padded to 1+k tokens each, so that it runs
+        as a graph. (MTP drafts for every request.) 0: no padding."""
+        if self.graphs is None or self.spec is None or self.spec.method == "mtp" or self.spec.scorer != "mqa":
+            return 0
+        counts = {len(s.draft_token_ids) for s in scheduled}
+        if (len(counts) == 1 or self.graphs.padded_size(len(scheduled)) is None
+                or not all(s.samples and s.num_new_tokens == 1 for s in scheduled)):
+            return 0
+        return 1 + max(counts)
+
     def _target_probs(self, reqs, hidden_rows, repeats):
         logits = self.model.compute_logits(hidden_rows)
         return logits_to_probs(logits, *sampling_tensors(reqs, repeats, self.device))
@@ -119,7 +132,7 @@ class ModelRunner:
         if not idx:
             return
         reqs = [scheduled[i].req for i in idx]
-        last_hidden = hidden[[offsets[i + 1] - 1 for i in idx]]
+        last_hidden = hidden[[offsets[i] + scheduled[i].num_query_tokens - 1 for i in idx]]
         if all(r.params.greedy for r in reqs):   # no distribution needed: the argmax is the sample
             tokens = self.model.compute_logits(last_hidden).argmax(-1)
         else:
@@ -135,7 +148,7 @@ class ModelRunner:
             return
         k = len(scheduled[idx[0]].draft_token_ids)
         reqs = [scheduled[i].req for i in idx]
-        rows = [offsets[i + 1] - k - 1 + j for i in idx for j in range(k + 1)]
+        rows = [offsets[i] + scheduled[i].num_query_tokens - k - 1 + j for i in idx for j in range(k + 1)]
         drafts = torch.tensor([scheduled[i].draft_token_ids for i in idx], device=self.device)
         if self.spec.synthetic_acceptance is None and all(r.params.greedy for r in reqs):
             # greedy matching: keep drafts while they equal the target's argmax, then one argmax more
