@@ -13,6 +13,7 @@ per token id]}); `mtpserve draft-vocab` writes it by tokenizing a corpus with th
 import json
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -65,7 +66,6 @@ def load_draft_vocab(model_dir: str, size: int, vocab_size: int) -> tuple[torch.
 
 def corpus_texts(paths: list[str], pattern: str):
     """Each file named, and every file matching `pattern` under each directory named, that reads as UTF-8."""
-    from pathlib import Path
     for p in map(Path, paths):
         if not p.exists():
             raise ValueError(f"draft-vocab --corpus: {p} does not exist")
@@ -93,7 +93,10 @@ def run_draft_vocab(args) -> None:
     model_dir = args.model or default_model_path()
     if not args.corpus and not args.stdlib:
         raise ValueError("draft-vocab: give --corpus FILE_OR_DIR ... and/or --stdlib")
-    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    tokenizer_file = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.exists(tokenizer_file):
+        raise ValueError(f"draft-vocab --model: {tokenizer_file} not found (the counts use the checkpoint's tokenizer)")
+    tok = Tokenizer.from_file(tokenizer_file)
     texts = list(corpus_texts(args.corpus, args.pattern))
     sources = [f"{args.pattern} under {', '.join(args.corpus)}"] if args.corpus else []
     if args.stdlib:
