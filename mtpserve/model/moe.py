@@ -75,6 +75,8 @@ class MoE(nn.Module):
                 return out + _all_experts(x, weights, ids, self.w13, self.w2)
             if ids.numel() <= FEW_CHOICES:
                 return out + _chosen_pairs(x, weights, ids, self.w13, self.w2)
+            if x.dtype == torch.bfloat16:   # (inductor takes torch._grouped_mm in bf16 only)
+                return out + _grouped_experts(x, weights, ids, self.w13, self.w2)
             return out + routed_experts(x, weights, ids, self.w13, self.w2)
         if x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= len(self.w13) and x.dtype != torch.float32:
             # A few tokens choosing about half the experts or more, in half precision (whose CPU GEMMs cost the
@@ -142,6 +144,19 @@ def _chosen_pairs(x, weights, ids, w13, w2) -> torch.Tensor:
             out = y if out is None else out + y
         rows.append(out)
     return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def _grouped_experts(x, weights, ids, w13, w2) -> torch.Tensor:
+    """Every (token, expert) choice as a row of one grouped GEMM pair (torch._grouped_mm), the rows sorted by
+    expert: no host loop, no host sync. In bf16 CPU graphs at batch 64: +5% over the opaque hit-experts op
+    (eagerly it gained 2% at batch 64 and lost 5% at batch 8, so eager mode keeps the loop)."""
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    token_of = order // ids.shape[1]
+    ends = flat.new_zeros(len(w13)).index_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
+    hidden = silu_and_mul(torch._grouped_mm(x[token_of], w13.transpose(1, 2), offs=ends))
+    out = torch._grouped_mm(hidden, w2.permute(1, 2, 0), offs=ends) * weights.flatten()[order].unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
 @torch.library.custom_op("mtpserve::routed_experts", mutates_args=())
