@@ -146,8 +146,8 @@ class SpeculativeConfig:
     scorer: str = "mqa"                     # "mqa" | "batch_expansion"
     synthetic_acceptance: float | None = None  # measurement mode only (bench); never lossless
     draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec/draft_vocab.py)
-    prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (default 4)
-    prompt_lookup_min: int | None = None     # ngram: the shortest (default 1)
+    prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (4 when not given)
+    prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -178,13 +178,14 @@ class SpeculativeConfig:
         if cfg.draft_vocab_size is not None:
             check_int_in_range("speculative_config.draft_vocab_size", cfg.draft_vocab_size, 1, None,
                                "at most the vocabulary size")
-        from mtpserve.spec.ngram import DEFAULT_MAX_N
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            if getattr(cfg, name) is not None:
+        if cfg.method == "ngram":
+            cfg.prompt_lookup_max = 4 if cfg.prompt_lookup_max is None else cfg.prompt_lookup_max
+            cfg.prompt_lookup_min = 1 if cfg.prompt_lookup_min is None else cfg.prompt_lookup_min
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 check_int_in_range(f"speculative_config.{name}", getattr(cfg, name), 1, 64)
-        if cfg.prompt_lookup_min is not None and cfg.prompt_lookup_min > (cfg.prompt_lookup_max or DEFAULT_MAX_N):
-            raise ValueError(f"speculative_config.prompt_lookup_min = {cfg.prompt_lookup_min}: must be at most "
-                             f"prompt_lookup_max = {cfg.prompt_lookup_max or DEFAULT_MAX_N}")
+            if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+                raise ValueError(f"speculative_config.prompt_lookup_min = {cfg.prompt_lookup_min}: must be at most "
+                                 f"prompt_lookup_max = {cfg.prompt_lookup_max}")
         return cfg
 
 

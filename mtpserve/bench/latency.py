@@ -127,10 +127,10 @@ def sweep(model: str, batch_sizes: list[int], ks: list[int], scorers: list[str],
     runs = {(bs, *c): [] for bs in batch_sizes for c in configs}
     for it in range(num_iters):
         for bs in batch_sizes:
-            for c in configs:
-                r = run_batch(engines[c], prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
-                runs[(bs, *c)].append(r)
-                log(f"  iter {it} batch {bs:3d} {config_name(c[1], c[2], c[0], c[3], method):30s} {r['duration']:.3f}s "
+            for m, k, s, v in configs:
+                r = run_batch(engines[(m, k, s, v)], prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
+                runs[(bs, m, k, s, v)].append(r)
+                log(f"  iter {it} batch {bs:3d} {config_name(k, s, m, v, method):30s} {r['duration']:.3f}s "
                     f"accept-len {r['spec']['mean_acceptance_length']:.2f}")
 
     def same_tokens(a, b):

@@ -128,16 +128,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.mtp_layers[depth].logits(hidden, restricted)
 
     @torch.no_grad()
-    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Drafting scores only these tokens: each MTP head keeps a copy of their rows (layers sharing one head
         share the copy)."""
         self.draft_vocab = token_ids
         copies = {}
         for layer in self.mtp_layers:
             head = layer.shared_head.head.weight
-            if token_ids is not None and id(head) not in copies:
+            if id(head) not in copies:
                 copies[id(head)] = head.index_select(0, token_ids.to(head.device)).contiguous()
-            layer.draft_head = None if token_ids is None else copies[id(head)]
+            layer.draft_head = copies[id(head)]
 
     # Dense [B, T] causal batches without a cache: training and reference checks.
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,6 @@ the output stays exactly the target model's. A request with no match verifies no
 """
 import numpy as np
 
-DEFAULT_MAX_N, DEFAULT_MIN_N = 4, 1
-
 
 def find_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int] | None:
     """The k tokens after the most recent earlier occurrence of tokens' last n tokens, for the largest n in
@@ -37,9 +35,7 @@ def find_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list
 
 class NgramProposer:
     def __init__(self, spec):
-        self.k = spec.num_speculative_tokens
-        self.max_n = spec.prompt_lookup_max or DEFAULT_MAX_N
-        self.min_n = spec.prompt_lookup_min or min(DEFAULT_MIN_N, self.max_n)
+        self.k, self.max_n, self.min_n = spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts for every request that sampled this step and whose context repeats."""
