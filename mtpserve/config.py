@@ -205,3 +205,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
+    tensor_parallel_size: int = 1             # ranks, one process each (model/parallel.py, executor/)
+    nnodes: int = 1                           # multi-node: the ranks are split evenly over the nodes
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None            # None: a free port (single node)

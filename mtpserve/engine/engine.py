@@ -5,15 +5,18 @@ import time
 
 import torch
 
-from mtpserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from mtpserve.config import EngineConfig, ModelConfig, SpeculativeConfig, check_int_in_range
+from mtpserve.distributed.launch import Launch, check_devices
 from mtpserve.engine.detokenizer import detokenize_incrementally
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, seeded_generator
 from mtpserve.engine.scheduler import Scheduler
-from mtpserve.model.loader import load_model
-from mtpserve.runner.model_runner import ModelRunner, num_mtp_caches
+from mtpserve.executor.multiproc import MultiProcExecutor
+from mtpserve.executor.uniproc import UniProcExecutor
+from mtpserve.executor.worker import RankSetup
+from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from mtpserve.model.parallel import TensorParallel
 from mtpserve.sampling_params import SamplingParams
-from mtpserve.spec.draft_vocab import load_draft_vocab
 from mtpserve.spec.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("mtpserve")
@@ -38,51 +41,65 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def engine_setup(cfg: EngineConfig) -> RankSetup:
+    """Checks the configuration and resolves what every rank needs (the front and every worker)."""
+    from mtpserve import default_model_path
+    path = cfg.model or default_model_path()
+    model_config = ModelConfig.from_pretrained(path)
+    spec = cfg.speculative
+    if spec is not None and spec.method == "mtp" and model_config.num_nextn_predict_layers == 0:
+        raise ValueError("speculative_config: method 'mtp' needs a checkpoint with MTP layers "
+                         "(num_nextn_predict_layers = 0 in its config.json)")
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    limit = model_config.max_position_embeddings
+    if cfg.max_model_len is not None and cfg.max_model_len > limit:
+        raise ValueError(f"max_model_len = {cfg.max_model_len}: above the model's max_position_embeddings {limit}")
+    k = spec.num_speculative_tokens if spec else 0
+    if cfg.max_num_batched_tokens < 1 + k:
+        raise ValueError(f"max_num_batched_tokens = {cfg.max_num_batched_tokens}: must be at least "
+                         f"1 + num_speculative_tokens = {1 + k}")
+    # MTP passes 1..k-1 write up to k-1 slots past the verified ones (n-gram drafting writes none)
+    lookahead = k if spec is not None and spec.method == "mtp" else 0
+    check_int_in_range("tensor_parallel_size", cfg.tensor_parallel_size, 1, None)
+    launch = Launch.from_torchrun_env(cfg.tensor_parallel_size) or Launch(
+        cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
+    launch.validate()
+    if launch.world_size > 1:
+        check_devices(device.type, launch)
+        with torch.device("meta"):   # a shard that does not divide is refused here, before any process starts
+            DeepseekV3ForCausalLM(model_config, TensorParallel(0, launch.world_size))
+    # slots past the last token a step may need: the pending token, k drafts and the lookahead
+    return RankSetup(cfg, path, model_config, device.type, dtype, min(cfg.max_model_len or limit, limit),
+                     lookahead, k + 1 + lookahead, launch)
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
-        from mtpserve import default_model_path
         self.config = cfg
-        path = cfg.model or default_model_path()
-        self.model_config = ModelConfig.from_pretrained(path)
-        spec = cfg.speculative
-        if spec is not None and spec.method == "mtp" and self.model_config.num_nextn_predict_layers == 0:
-            raise ValueError("speculative_config: method 'mtp' needs a checkpoint with MTP layers "
-                             "(num_nextn_predict_layers = 0 in its config.json)")
-        self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
-        self.model = load_model(path, self.dtype, self.device, self.model_config).eval().fuse_for_inference()
-        if spec is not None and spec.draft_vocab_size is not None:
-            ids, coverage = load_draft_vocab(path, spec.draft_vocab_size, self.model_config.vocab_size)
-            self.model.set_draft_vocab(ids.to(self.device))
-            logger.info("draft vocabulary: the %d most frequent of %d tokens (%.1f%% of the counted tokens)",
-                        len(ids), self.model_config.vocab_size, 100 * coverage)
-        self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(path)
-        limit = self.model_config.max_position_embeddings
-        self.max_model_len = min(cfg.max_model_len or limit, limit)
-        if cfg.max_model_len is not None and cfg.max_model_len > limit:
-            raise ValueError(f"max_model_len = {cfg.max_model_len}: above the model's max_position_embeddings {limit}")
-        k = spec.num_speculative_tokens if spec else 0
-        if cfg.max_num_batched_tokens < 1 + k:
-            raise ValueError(f"max_num_batched_tokens = {cfg.max_num_batched_tokens}: must be at least "
-                             f"1 + num_speculative_tokens = {1 + k}")
-        # MTP passes 1..k-1 write up to k-1 slots past the verified ones (n-gram drafting writes none)
-        self.num_lookahead_slots = k if spec is not None and spec.method == "mtp" else 0
-        # slots past the last token a step may need: the pending token, k drafts and the lookahead
-        self.max_step_overshoot = k + 1 + self.num_lookahead_slots
-        num_blocks = cfg.num_kv_blocks or self._kv_blocks_from_memory()
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        setup = engine_setup(cfg)
+        if setup.launch.node_rank != 0 or (setup.launch.external and int(os.environ.get("RANK", 0)) != 0):
+            raise ValueError("this process is not rank 0: run the same command with run_non_front_ranks (the "
+                             "command line does this itself on every node but the first)")
+        self.model_config, self.max_model_len = setup.model_config, setup.max_model_len
+        self.max_step_overshoot = setup.max_step_overshoot
+        self.num_lookahead_slots = setup.num_lookahead_slots
+        self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(setup.path)
+        executor_class = UniProcExecutor if setup.launch.world_size == 1 else MultiProcExecutor
+        self.executor = executor_class(setup)
+        self.runner = self.executor.runner          # this process's rank (rank 0)
+        self.model = self.runner.model
+        self.device, self.dtype = self.runner.device, setup.dtype
+        self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.num_lookahead_slots)
-        eager = cfg.enforce_eager if cfg.enforce_eager is not None else self.device.type != "cuda"
-        self.use_graphs = not eager
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, spec, self.device, self.dtype, cfg.seed,
-                                  cfg.graph_batch_sizes if self.use_graphs else None,
-                                  self.max_model_len + self.max_step_overshoot)
-        self.graph_warmup_seconds = self.runner.warm_up_graphs()
+        self.use_graphs = self.runner.graphs is not None
+        self.graph_warmup_seconds = self.runner.graphs.compile_seconds if self.use_graphs else 0.0
         if self.use_graphs:
             from torch._inductor.runtime.cache_dir_utils import cache_dir
             logger.info("graph mode: %d graphs (batch sizes %s) built in %.1fs; compile cache %s",
                         len(self.runner.graphs.graphs), cfg.graph_batch_sizes, self.graph_warmup_seconds, cache_dir())
-        self.spec_metrics = SpecDecodeMetrics(k) if spec else None
+        k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
+        self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -93,16 +110,13 @@ class LLMEngine:
     def from_kwargs(cls, model: str | None = None, speculative_config: dict | None = None, **kwargs) -> "LLMEngine":
         return cls(EngineConfig(model=model, speculative=SpeculativeConfig.from_dict(speculative_config), **kwargs))
 
-    def _kv_blocks_from_memory(self) -> int:
-        mc, cfg = self.model_config, self.config
-        layers = mc.num_hidden_layers + num_mtp_caches(mc, cfg.speculative)
-        bytes_per_block = layers * cfg.block_size * mc.kv_cache_dim * torch.finfo(self.dtype).bits // 8
-        if self.device.type == "cuda":
-            budget = torch.cuda.mem_get_info(self.device)[0] * cfg.kv_cache_memory_fraction
-        else:
-            budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cfg.kv_cache_memory_fraction
-        per_seq = -(-(self.max_model_len + self.max_step_overshoot) // cfg.block_size)
-        return max(per_seq, min(int(budget // bytes_per_block), per_seq * cfg.max_num_seqs))
+    def shutdown(self) -> None:
+        """Stops worker processes (tensor parallelism); the engine cannot run after this."""
+        self.executor.shutdown()
+
+    def check_health(self) -> None:
+        """Raises (WorkerFailedError) if a rank has failed."""
+        self.executor.check_health()
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -122,9 +136,7 @@ class LLMEngine:
                              f"the KV cache ({self.block_manager.num_blocks} blocks of {self.config.block_size})")
         children = []
         for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            gen = seeded_generator(params, i, self.device)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, prompt, list(token_ids), params, params.max_tokens or room, gen, i, request_id)
             children.append(req)
@@ -164,7 +176,7 @@ class LLMEngine:
         now = time.monotonic()
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
-        results = self.runner.execute(scheduled)
+        results = self.executor.execute(scheduled)
         now = time.monotonic()
         progressed = []
         for s, r in zip(scheduled, results):

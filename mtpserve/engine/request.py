@@ -60,6 +60,13 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
 
+def seeded_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
+    """The generator of completion `index` of a seeded request (None: unseeded, the engine's generator)."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed + index)
+
+
 @dataclass
 class CompletionOutput:
     index: int

@@ -19,6 +19,7 @@ from torch import nn
 
 from mtpserve.config import ModelConfig
 from mtpserve.model.layers import RMSNorm, RotaryEmbedding, linear, share_storage, softmax_scale
+from mtpserve.model.parallel import TensorParallel
 
 ABSORB_MAX_QUERY_LEN = 8  # "auto" uses the absorbed form up to this many query tokens per request
 
@@ -115,9 +116,13 @@ def dense_metadata(batch: int, seq_len: int, device) -> tuple[AttentionMetadata,
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    """Under tensor parallelism a rank holds num_attention_heads / tp heads (their q, kv_b rows and o_proj
+    columns) and the whole latent projection; its output is a partial sum, completed by the caller's all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = tp.divide(cfg.num_attention_heads, "num_attention_heads")
+        self.adds_o_bias = tp.rank == 0   # a row-parallel bias is added once, not once per rank
         self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         h = cfg.hidden_size
@@ -227,7 +232,8 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(query, key.transpose(1, 2), value.transpose(1, 2),
                                                  attn_mask=meta.mask, scale=self.scale)
             out = from_padded(out)                                                # [N, H, v]
-        return linear(out.reshape(n, self.num_heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.reshape(n, self.num_heads * self.v_dim), self.o_proj.weight,
+                      self.o_proj.bias if self.adds_o_bias else None)
 
     def _absorb_queries(self, q_nope: torch.Tensor) -> torch.Tensor:   # [N, H, nope] -> [N, H, r]
         if self.w_uk is None:

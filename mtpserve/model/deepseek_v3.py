@@ -2,6 +2,8 @@
 
 Parameter names follow the HF checkpoint: `model.*` and `lm_head.*` for the main model; MTP module i is
 `mtp_layers.{i}.*` here and `model.layers.{num_hidden_layers + i}.*` in a checkpoint (see loader.py).
+Under tensor parallelism (`tp`, model/parallel.py) each rank builds its shard; every block ends in one
+all-reduce per sub-layer, and logits are gathered whole on every rank.
 """
 import torch
 from torch import nn
@@ -10,19 +12,24 @@ from mtpserve.config import ModelConfig
 from mtpserve.model.attention import AttentionMetadata, MLAttention, dense_metadata
 from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding, linear
 from mtpserve.model.moe import MoE
+from mtpserve.model.parallel import TensorParallel, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
-        self.self_attn = MLAttention(cfg, rotary)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.tp = tp
+        self.self_attn = MLAttention(cfg, rotary, tp)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg, tp)
+        else:
+            self.mlp = MLP(cfg.hidden_size, tp.divide(cfg.intermediate_size, "intermediate_size"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, positions, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), positions, meta, kv_cache))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class SharedHead(nn.Module):
@@ -35,14 +42,17 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """One MTP module: x = eh_proj([enorm(embed(t[p+1])), hnorm(h[p])]) -> decoder block -> shared head."""
 
-    def __init__(self, cfg, layer_idx, rotary, embed_tokens: nn.Embedding, lm_head: nn.Linear):
-        super().__init__(cfg, layer_idx, rotary)
+    def __init__(self, cfg, layer_idx, rotary, embed_tokens: VocabParallelEmbedding, lm_head: nn.Linear,
+                 tp: TensorParallel):
+        super().__init__(cfg, layer_idx, rotary, tp)
+        self.vocab_size = cfg.vocab_size
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.embed_tokens = embed_tokens          # shared with the main model unless the checkpoint differs
         self.shared_head = SharedHead(cfg, lm_head)
         self.draft_head: torch.Tensor | None = None   # the head's rows for a draft vocabulary (set_draft_vocab)
+        self.draft_columns: torch.Tensor | None = None  # TP: the gathered draft columns that are not padding
 
     def forward(self, input_ids, prev_hidden, positions, meta, kv_cache, output_index=None):
         """output_index (one token per request): only those tokens' outputs are wanted. The others then only
@@ -56,29 +66,33 @@ class MTPLayer(DecoderLayer):
 
     def logits(self, hidden: torch.Tensor, restricted: bool = False) -> torch.Tensor:
         """Over the whole vocabulary, or (restricted) over the draft vocabulary's tokens only, if one is set."""
-        weight = self.draft_head if restricted and self.draft_head is not None else self.shared_head.head.weight
-        return linear(self.shared_head.norm(hidden), weight).float()
+        restricted = restricted and self.draft_head is not None
+        weight = self.draft_head if restricted else self.shared_head.head.weight
+        logits = self.tp.all_gather_last(linear(self.shared_head.norm(hidden), weight)).float()
+        if restricted:
+            return logits if self.draft_columns is None else logits[..., self.draft_columns]
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
         self.rotary = RotaryEmbedding(cfg)
-        self.model = Backbone(cfg, self.rotary)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Backbone(cfg, self.rotary, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_rows(cfg.vocab_size), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp_layers = nn.ModuleList(
-            MTPLayer(cfg, cfg.num_hidden_layers + i, self.rotary, self.model.embed_tokens, self.lm_head)
+            MTPLayer(cfg, cfg.num_hidden_layers + i, self.rotary, self.model.embed_tokens, self.lm_head, tp)
             for i in range(cfg.num_nextn_predict_layers))
         self.draft_vocab: torch.Tensor | None = None   # token ids the MTP drafts from (None: all)
 
@@ -112,7 +126,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+        logits = self.tp.all_gather_last(linear(hidden, self.lm_head.weight)).float()
+        vocab = self.config.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[..., :vocab]
 
     def mtp_forward(self, depth: int, input_ids, positions, prev_hidden, meta: AttentionMetadata,
                     kv_cache: torch.Tensor | None, output_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,14 +146,25 @@ class DeepseekV3ForCausalLM(nn.Module):
     @torch.no_grad()
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Drafting scores only these tokens: each MTP head keeps a copy of their rows (layers sharing one head
-        share the copy)."""
-        self.draft_vocab = token_ids
+        share the copy). Under tensor parallelism a rank copies the rows it holds, padded to the most any rank
+        holds; the gathered columns are then ordered by rank, and draft_vocab lists the tokens in that order."""
+        tp, rows = self.tp, self.tp.vocab_rows(self.config.vocab_size)
+        owner = token_ids.cpu() // rows
+        order = owner.argsort(stable=True)
+        counts = torch.bincount(owner, minlength=tp.size)
+        width = int(counts.max())
+        local = token_ids.cpu()[owner == tp.rank] - tp.rank * rows
+        self.draft_vocab = token_ids[order.to(token_ids.device)]
+        columns = torch.cat([r * width + torch.arange(int(c)) for r, c in enumerate(counts.tolist())])
         copies = {}
         for layer in self.mtp_layers:
             head = layer.shared_head.head.weight
             if id(head) not in copies:
-                copies[id(head)] = head.index_select(0, token_ids.to(head.device)).contiguous()
+                copy = head.new_zeros(width, head.shape[1])
+                copy[:len(local)] = head.index_select(0, local.to(head.device))
+                copies[id(head)] = copy
             layer.draft_head = copies[id(head)]
+            layer.draft_columns = None if tp.size == 1 else columns.to(head.device)
 
     # Dense [B, T] causal batches without a cache: training and reference checks.
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Loading HF DeepSeek-V2/V3 safetensors checkpoints (single file or sharded; bf16/fp16/fp32 or block FP8).
 
-The model is built on the meta device and each parameter is filled from its checkpoint tensor one at a
-time, so peak memory stays near the model's own size.
+The model is built on the meta device and each parameter is read from the checkpoint straight into its final
+dtype, one at a time; under tensor parallelism each rank reads only its slices (`safe_open(...).get_slice`), so
+a rank never reads, or holds, the whole checkpoint.
 """
 import json
 import os
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from mtpserve.config import ModelConfig
 from mtpserve.model.checkpoint import hf_name
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from mtpserve.model.parallel import TensorParallel, VocabParallelEmbedding, shard_kind, shard_slices
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _SHARED_IN_MTP = ("embed_tokens.weight", "shared_head.head.weight")
@@ -49,62 +51,111 @@ def quantize_fp8_blockwise(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Ten
     return q.to(torch.float8_e4m3fn), scale
 
 
-def dequantize_fp8_blockwise(w: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
-    out_dim, in_dim = w.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:out_dim].repeat_interleave(block[1], 1)[:, :in_dim]
-    return w.float() * scale
+def dequantize_fp8_blockwise(w: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
+                             offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """w: a float8 weight, or a slice of one starting at (row, column) `offset` of the full tensor, whose
+    block scales are `scale_inv` (the full tensor's)."""
+    rows = (torch.arange(w.shape[0]) + offset[0]) // block[0]
+    cols = (torch.arange(w.shape[1]) + offset[1]) // block[1]
+    return w.float() * scale_inv.float()[rows][:, cols]
 
 
-def _read_checkpoint(path: str, cfg: ModelConfig):
-    """Yields (our name, tensor) for every weight, FP8 weights dequantized to float32."""
-    block = tuple((cfg.quantization_config or {}).get("weight_block_size", (128, 128)))
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            keys = set(f.keys())
-            for key in sorted(keys):
-                if key.endswith("weight_scale_inv") or key.endswith("rotary_emb.inv_freq"):
-                    continue
-                t = f.get_tensor(key)
-                if t.dtype == torch.float8_e4m3fn:
-                    scale_key = key.removesuffix("weight") + "weight_scale_inv"
-                    if scale_key not in keys:
-                        raise ValueError(f"checkpoint: FP8 tensor {key} has no {scale_key}")
-                    t = dequantize_fp8_blockwise(t, f.get_tensor(scale_key), block)
-                yield our_name(key, cfg.num_hidden_layers), key, t
+class LoadStats:
+    """What a load read: checkpoint bytes (only this rank's slices) and tensors."""
+
+    def __init__(self):
+        self.bytes_read = 0
+        self.tensors = 0
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
-               cfg: ModelConfig | None = None) -> DeepseekV3ForCausalLM:
+def _read_slice(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, stats: LoadStats):
+    """This rank's part of checkpoint tensor `key` (all of it when index is None), float8 dequantized."""
+    sl = f.get_slice(key)
+    t = sl[index] if index is not None else sl[:]
+    stats.bytes_read += t.numel() * t.element_size()
+    stats.tensors += 1
+    if t.dtype == torch.float8_e4m3fn:
+        scale_key = key.removesuffix("weight") + "weight_scale_inv"
+        if scale_key not in keys:
+            raise ValueError(f"checkpoint: FP8 tensor {key} has no {scale_key}")
+        block = tuple((cfg.quantization_config or {}).get("weight_block_size", (128, 128)))
+        starts = [s.start or 0 for s in index or ()] + [0, 0]   # where the slice begins in the full weight
+        t = dequantize_fp8_blockwise(t, f.get_tensor(scale_key), block, (starts[0], starts[1]))
+    return t
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg: ModelConfig | None = None,
+               tp: TensorParallel = TensorParallel(), stats: LoadStats | None = None) -> DeepseekV3ForCausalLM:
+    """Builds the model (this rank's shard under tensor parallelism) on the meta device, then gives each
+    parameter its checkpoint slice in its final dtype, one tensor at a time: peak memory is the shard plus
+    one tensor. The MoE router stays float32 (routing is sensitive)."""
     cfg = cfg or ModelConfig.from_pretrained(path)
+    stats = stats if stats is not None else LoadStats()
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(cfg)
-    model.to_empty(device=device)
+        model = DeepseekV3ForCausalLM(cfg, tp)
     params = dict(model.named_parameters(remove_duplicate=False))
+    owners = {name: model.get_submodule(name.rsplit(".", 1)[0]) for name in params}
     shared_in_mtp = {n for n in params if n.startswith("mtp_layers.") and n.endswith(_SHARED_IN_MTP)}
     optional = set(shared_in_mtp) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     loaded, unexpected, bad_shape, mtp_copies = set(), [], [], {}
     with torch.no_grad():
-        for name, key, t in _read_checkpoint(path, cfg):
-            if name in shared_in_mtp:
-                mtp_copies[name] = t   # decided below, once the main model's copy is loaded
-                continue
-            if name not in params:
-                unexpected.append(key)
-            elif tuple(t.shape) != tuple(params[name].shape):
-                bad_shape.append(f"{key}: checkpoint {tuple(t.shape)}, model {tuple(params[name].shape)}")
-                loaded.add(name)   # reported once, as wrongly shaped
-            else:
-                params[name].copy_(t)
-                loaded.add(name)
+        for file in checkpoint_files(path):
+            with safe_open(file, framework="pt") as f:
+                keys = set(f.keys())
+                for key in sorted(keys):
+                    if key.endswith("weight_scale_inv") or key.endswith("rotary_emb.inv_freq"):
+                        continue
+                    name = our_name(key, cfg.num_hidden_layers)
+                    if name not in params and name not in shared_in_mtp:
+                        unexpected.append(key)
+                        continue
+                    full = tuple(f.get_slice(key).get_shape())
+                    kind = shard_kind(name)
+                    try:
+                        index = shard_slices(kind, full, tp)
+                    except ValueError:
+                        index = None   # not divisible: reported as a wrong shape below
+                    expected = _full_shape(kind, tuple(params[name].shape), tp, cfg.vocab_size)
+                    if full != expected:
+                        bad_shape.append(f"{key}: checkpoint {full}, model {expected}")
+                        loaded.add(name)   # reported once, as wrongly shaped
+                        continue
+                    wanted = torch.float32 if ".mlp.gate." in name else dtype
+                    t = _read_slice(f, key, keys, index, cfg, stats).to(device=device, dtype=wanted)
+                    if kind == "vocab" and t.shape[0] < params[name].shape[0]:   # the last rank's padding rows
+                        t = torch.cat([t, t.new_zeros(params[name].shape[0] - t.shape[0], *t.shape[1:])])
+                    if name in shared_in_mtp:
+                        mtp_copies[name] = t   # decided below, once the main model's copy is loaded
+                        continue
+                    _set_param(owners[name], name.rsplit(".", 1)[1], t)
+                    loaded.add(name)
         missing = sorted(hf_name(n, cfg.num_hidden_layers) for n in set(params) - loaded - optional)
         if missing or unexpected or bad_shape:
             lines = [f"missing: {missing}"] * bool(missing) + [f"unexpected: {sorted(unexpected)}"] * bool(unexpected)
             raise ValueError(f"checkpoint {path!r} does not match the config:\n  "
                              + "\n  ".join(lines + [f"wrong shape: {bad_shape}"] * bool(bad_shape)))
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
         for name, t in mtp_copies.items():
             _use_mtp_copy(model, name, t)
+    model.rotary.cos, model.rotary.sin = torch.empty(0, device=device), torch.empty(0, device=device)
     model.rotary.reset_tables()
-    return cast_model(model, dtype)
+    return model
+
+
+def _full_shape(kind: str | None, local: tuple, tp: TensorParallel, vocab: int) -> tuple:
+    """The whole tensor's shape, from this rank's shard of it."""
+    if kind is None or tp.size == 1:
+        return local
+    if kind == "column":
+        return (local[0] * tp.size, *local[1:])
+    if kind == "row":
+        return (local[0], local[1] * tp.size)
+    return (vocab, *local[1:])
+
+
+def _set_param(module: torch.nn.Module, attr: str, t: torch.Tensor) -> None:
+    setattr(module, attr, torch.nn.Parameter(t, requires_grad=False))
 
 
 def cast_model(model: DeepseekV3ForCausalLM, dtype: torch.dtype) -> DeepseekV3ForCausalLM:
@@ -116,20 +167,16 @@ def cast_model(model: DeepseekV3ForCausalLM, dtype: torch.dtype) -> DeepseekV3Fo
 
 
 def _use_mtp_copy(model: DeepseekV3ForCausalLM, name: str, t: torch.Tensor) -> None:
-    """An MTP layer's own embed/head: kept shared when equal to the main model's, else its own module."""
-    depth = int(name.split(".")[1])
-    layer = model.mtp_layers[depth]
+    """An MTP layer's own embed/head (this rank's rows): kept shared when equal to the main model's, else its
+    own module."""
+    layer = model.mtp_layers[int(name.split(".")[1])]
     if name.endswith("embed_tokens.weight"):
-        current = layer.embed_tokens
-        if current.weight.shape != t.shape:
-            raise ValueError(f"checkpoint: {name} has shape {tuple(t.shape)}, expected {tuple(current.weight.shape)}")
-        if not torch.equal(current.weight, t.to(current.weight.dtype)):
-            layer.embed_tokens = torch.nn.Embedding.from_pretrained(t.to(current.weight.device), freeze=False)
-    else:
-        current = layer.shared_head.head
-        if current.weight.shape != t.shape:
-            raise ValueError(f"checkpoint: {name} has shape {tuple(t.shape)}, expected {tuple(current.weight.shape)}")
-        if not torch.equal(current.weight, t.to(current.weight.dtype)):
-            head = torch.nn.Linear(t.shape[1], t.shape[0], bias=False, device=current.weight.device)
-            head.weight.data.copy_(t)
-            layer.shared_head.head = head
+        if not torch.equal(layer.embed_tokens.weight, t):
+            with torch.device("meta"):
+                own = VocabParallelEmbedding(model.config.vocab_size, t.shape[1], model.tp)
+            _set_param(own, "weight", t)
+            layer.embed_tokens = own
+    elif not torch.equal(layer.shared_head.head.weight, t):
+        head = torch.nn.Linear(t.shape[1], t.shape[0], bias=False, device="meta")
+        _set_param(head, "weight", t)
+        layer.shared_head.head = head

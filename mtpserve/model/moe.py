@@ -5,6 +5,7 @@ from torch import nn
 
 from mtpserve.config import ModelConfig
 from mtpserve.model.layers import MLP, linear, silu_and_mul
+from mtpserve.model.parallel import TensorParallel
 
 # Up to this many (token, expert) choices, every expert chosen runs on all the tokens: fewer ops than grouping
 # tokens by expert, and on small batches the per-op cost and the weight reads, not the FLOPs, dominate.
@@ -53,14 +54,17 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Under tensor parallelism (TP-MoE) every rank holds every expert's slice of the intermediate dimension
+    and routes identically (the router is replicated): its output is a partial sum, completed by the caller."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.gate = Gate(cfg)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.n_routed_experts))
+        inter = tp.divide(cfg.moe_intermediate_size, "moe_intermediate_size")
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, inter) for _ in range(cfg.n_routed_experts))
         self.shared_experts = None
         if cfg.n_shared_experts:
-            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            self.shared_experts = MLP(cfg.hidden_size, inter * cfg.n_shared_experts)
         self.w13: torch.Tensor | None = None   # stacked expert weights, set by fuse()
         self.w2: torch.Tensor | None = None
 

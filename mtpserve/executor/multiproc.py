@@ -1,0 +1,107 @@
+"""Tensor-parallel ranks in worker processes: the front (this process) is rank 0 and runs its own shard; it
+spawns this node's other ranks (torch.multiprocessing, spawn) unless torchrun started them, and before each
+step broadcasts the batch to every rank (executor/step_sync.py), then runs the step with them.
+
+A failed rank fails the engine, never hangs it: a worker that raises reports why and exits, a worker that dies
+closes its sockets, and either way the front's next collective raises. The executor then names the rank and
+the reason, stops the other workers, and refuses further steps (WorkerFailedError).
+"""
+import atexit
+import logging
+import queue
+
+import torch.multiprocessing as mp
+
+from mtpserve.distributed.launch import free_port, leave
+from mtpserve.executor.step_sync import StepSender, send_step
+from mtpserve.executor.worker import RankSetup, build_rank, worker_process
+
+logger = logging.getLogger("mtpserve")
+
+
+class WorkerFailedError(RuntimeError):
+    """A rank failed; the engine cannot run further steps."""
+
+
+class MultiProcExecutor:
+    def __init__(self, setup: RankSetup):
+        launch = setup.launch
+        if launch.master_port is None:
+            launch.master_port = free_port()
+        ctx = mp.get_context("spawn")
+        self.errors = ctx.Queue()
+        self.failure: str | None = None
+        self.closed = False
+        self.control = None
+        self.sender = StepSender()
+        self.workers = []
+        if not launch.external:
+            for rank in launch.local_ranks()[1:]:
+                p = ctx.Process(target=worker_process, args=(setup, rank, self.errors), name=f"mtpserve-rank{rank}")
+                p.start()
+                self.workers.append((rank, p))
+        atexit.register(self.shutdown)
+        try:
+            built = build_rank(setup, 0)
+        except Exception as e:
+            self._fail(e)
+            raise WorkerFailedError(f"start-up failed: {self.failure}") from e
+        self.runner, self.num_blocks, self.control, self.load_stats = (built.runner, built.num_blocks, built.control,
+                                                                        built.load_stats)
+        logger.info("tensor parallel: %d ranks (%d worker processes started here)", launch.world_size,
+                    len(self.workers))
+
+    def execute(self, scheduled):
+        self.check_health()
+        try:
+            send_step(self.control, self.sender.message(scheduled))
+            return self.runner.execute(scheduled)
+        except Exception as e:
+            self._fail(e)
+            raise WorkerFailedError(f"tensor-parallel step failed: {self.failure}") from e
+
+    def check_health(self) -> None:
+        """Raises WorkerFailedError if a rank has failed (also noticed while idle: a worker that exited)."""
+        if self.failure is None:
+            dead = [(rank, p) for rank, p in self.workers if p.exitcode is not None]
+            if dead and not self.closed:
+                self._fail(None)
+        if self.failure is not None:
+            raise WorkerFailedError(self.failure)
+
+    def _fail(self, error: Exception | None) -> None:
+        """Records why the ranks fell out of step (a worker's own report first) and stops the workers."""
+        reports = []
+        try:
+            while True:
+                reports.append(self.errors.get(timeout=0.1 if reports else 2.0))
+        except (queue.Empty, OSError, ValueError):
+            pass
+        if reports:
+            self.failure = "; ".join(f"worker rank {rank} failed: {why}" for rank, why in reports)
+        else:
+            dead = [f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    for rank, p in self.workers if p.exitcode is not None]
+            self.failure = "; ".join(dead) or f"{type(error).__name__}: {error}"
+        logger.error("tensor-parallel engine failed: %s", self.failure)
+        self._stop_workers(graceful=False)
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        graceful = self.failure is None and self.control is not None
+        if graceful:
+            try:
+                send_step(self.control, None)
+            except Exception:
+                graceful = False
+        self._stop_workers(graceful)
+        leave()
+
+    def _stop_workers(self, graceful: bool) -> None:
+        for _, p in self.workers:
+            p.join(timeout=10 if graceful else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

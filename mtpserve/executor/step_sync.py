@@ -1,0 +1,99 @@
+"""What the front sends every worker each step, and the copy of the running requests a worker keeps.
+
+Every rank runs the same `ModelRunner.execute` on the same batch, so every rank samples, verifies and drafts
+the same tokens: logits are gathered whole on each rank and the random draws come from generators seeded
+alike and drawn in the same order (the engine's, and each seeded request's). A worker therefore needs only
+what its runner reads: each scheduled request's position, drafts, block table, the tokens it has not seen yet
+(new prompts; tokens the front appended), and, once, its sampling parameters. Draft distributions are never
+sent: each rank computed the same ones itself.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mtpserve.engine.request import Request, seeded_generator
+from mtpserve.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class ScheduledItem:
+    request_id: str
+    start: int
+    num_new_tokens: int
+    draft_token_ids: list[int]
+    block_ids: list[int]
+    new_token_ids: list[int]            # tokens of the request the worker has not seen yet
+    first_seen: tuple | None = None     # (params, index) the first time the request is sent
+
+
+@dataclass
+class StepMessage:
+    items: list[ScheduledItem]
+    forget: list[str]                   # finished or aborted requests: drop their copies
+
+
+class StepSender:
+    """Front side: builds each step's message, sending every token once."""
+
+    def __init__(self):
+        self.sent: dict[str, Request] = {}
+        self.num_sent: dict[str, int] = {}
+
+    def message(self, scheduled: list[ScheduledRequest]) -> StepMessage:
+        forget = [rid for rid, req in self.sent.items() if req.is_finished]
+        for rid in forget:
+            del self.sent[rid], self.num_sent[rid]
+        items = []
+        for s in scheduled:
+            req, rid = s.req, s.req.request_id
+            if self.sent.get(rid) is not req:   # new (or a new request reusing a finished one's id)
+                forget += [rid] if rid in self.sent else []
+                self.sent[rid], self.num_sent[rid] = req, 0
+            first = (req.params, req.index) if self.num_sent[rid] == 0 else None
+            tokens = req.all_token_ids
+            items.append(ScheduledItem(rid, s.start, s.num_new_tokens, list(s.draft_token_ids), list(req.block_ids),
+                                       tokens[self.num_sent[rid]:], first))
+            self.num_sent[rid] = len(tokens)
+        return StepMessage(items, forget)
+
+
+class RequestMirror:
+    """Worker side: the running requests as far as the runner needs them."""
+
+    def __init__(self, device):
+        self.device = device
+        self.requests: dict[str, Request] = {}
+
+    def apply(self, msg: StepMessage) -> list[ScheduledRequest]:
+        for rid in msg.forget:
+            self.requests.pop(rid, None)
+        scheduled = []
+        for item in msg.items:
+            if item.first_seen is not None:
+                params, index = item.first_seen
+                self.requests[item.request_id] = Request(item.request_id, None, [], params, 0,
+                                                         seeded_generator(params, index, self.device), index)
+            req = self.requests[item.request_id]
+            req.output_token_ids += item.new_token_ids
+            req.block_ids = item.block_ids
+            scheduled.append(ScheduledRequest(req, item.start, item.num_new_tokens, item.draft_token_ids))
+        return scheduled
+
+    @staticmethod
+    def record(scheduled: list[ScheduledRequest], results) -> None:
+        """What the front's engine keeps from a step that the runner reads next time: the draft distributions."""
+        for s, r in zip(scheduled, results):
+            if s.samples:
+                s.req.draft_probs = r.next_draft_probs
+
+
+def send_step(control, message: StepMessage | None) -> None:
+    """Front: hands the step (None: stop) to every worker."""
+    dist.broadcast_object_list([message], src=0, group=control)
+
+
+def receive_step(control) -> StepMessage | None:
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]

@@ -1,0 +1,17 @@
+"""The executor seam: the engine asks an executor to run a step; this one runs it in this process."""
+from mtpserve.executor.worker import RankSetup, build_rank
+
+
+class UniProcExecutor:
+    def __init__(self, setup: RankSetup):
+        rank = build_rank(setup, 0)
+        self.runner, self.num_blocks, self.load_stats = rank.runner, rank.num_blocks, rank.load_stats
+
+    def execute(self, scheduled):
+        return self.runner.execute(scheduled)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

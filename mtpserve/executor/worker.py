@@ -1,0 +1,110 @@
+"""One rank: its model shard, KV cache and ModelRunner, built the same way in the front process and in
+worker processes; and the loop a worker process runs."""
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mtpserve.config import EngineConfig, ModelConfig
+from mtpserve.distributed.launch import Launch, join, leave, rank_device
+from mtpserve.executor.step_sync import RequestMirror, receive_step
+from mtpserve.model.loader import LoadStats, load_model
+from mtpserve.model.parallel import TensorParallel
+from mtpserve.runner.model_runner import ModelRunner, num_mtp_caches
+from mtpserve.spec.draft_vocab import load_draft_vocab
+
+logger = logging.getLogger("mtpserve")
+
+
+@dataclass
+class RankSetup:
+    """Everything a rank needs to build its part of the engine (picklable: it is sent to spawned workers)."""
+    config: EngineConfig
+    path: str
+    model_config: ModelConfig
+    device_type: str
+    dtype: torch.dtype
+    max_model_len: int
+    num_lookahead_slots: int        # KV slots the MTP draft passes write past the verified ones
+    max_step_overshoot: int         # slots past the last token a step may need
+    launch: Launch
+
+
+@dataclass
+class Rank:
+    runner: ModelRunner
+    num_blocks: int
+    control: object            # the gloo group steps are handed over on (None with one rank)
+    load_stats: LoadStats
+
+
+def kv_blocks_from_memory(setup: RankSetup, device: torch.device) -> int:
+    """KV blocks that fit this rank's share of memory (the latent cache is whole on every rank), capped by
+    what max_num_seqs requests of max_model_len can use."""
+    mc, cfg = setup.model_config, setup.config
+    layers = mc.num_hidden_layers + num_mtp_caches(mc, cfg.speculative)
+    bytes_per_block = layers * cfg.block_size * mc.kv_cache_dim * torch.finfo(setup.dtype).bits // 8
+    if device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory_fraction
+    else:   # the ranks of a node share its RAM
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = ram * cfg.kv_cache_memory_fraction / setup.launch.ranks_per_node
+    per_seq = -(-(setup.max_model_len + setup.max_step_overshoot) // cfg.block_size)
+    return max(per_seq, min(int(budget // bytes_per_block), per_seq * cfg.max_num_seqs))
+
+
+def build_rank(setup: RankSetup, rank: int) -> Rank:
+    """Joins the process group (with more than one rank), agrees on the KV cache size (the smallest any rank
+    can hold), loads this rank's shard and builds (and warms up) its runner."""
+    cfg, launch = setup.config, setup.launch
+    device = rank_device(setup.device_type, rank, launch)
+    if device.type == "cpu" and launch.world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.ranks_per_node))
+    tp, control = (TensorParallel(), None) if launch.world_size == 1 else join(rank, launch, device)
+    num_blocks = cfg.num_kv_blocks or kv_blocks_from_memory(setup, device)
+    if control is not None:
+        agreed = torch.tensor([num_blocks])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
+        num_blocks = int(agreed)
+    stats = LoadStats()
+    model = load_model(setup.path, setup.dtype, device, setup.model_config, tp, stats).eval().fuse_for_inference()
+    spec = cfg.speculative
+    if spec is not None and spec.draft_vocab_size is not None:
+        ids, coverage = load_draft_vocab(setup.path, spec.draft_vocab_size, setup.model_config.vocab_size)
+        model.set_draft_vocab(ids.to(device))
+        if rank == 0:
+            logger.info("draft vocabulary: the %d most frequent of %d tokens (%.1f%% of the counted tokens)",
+                        len(ids), setup.model_config.vocab_size, 100 * coverage)
+    use_graphs = not (cfg.enforce_eager if cfg.enforce_eager is not None else device.type != "cuda")
+    runner = ModelRunner(model, num_blocks, cfg.block_size, spec, device, setup.dtype, cfg.seed,
+                         cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot)
+    runner.warm_up_graphs()
+    return Rank(runner, num_blocks, control, stats)
+
+
+def worker_process(setup: RankSetup, rank: int, errors) -> None:
+    """A spawned worker: builds its rank, then runs every step the front hands over until told to stop.
+    Any failure is reported on `errors` (the front names it) before the process exits."""
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")   # compile in this process: no pool to orphan
+    try:
+        run_rank(setup, rank)
+    except BaseException as e:
+        try:
+            errors.put((rank, f"{type(e).__name__}: {e}"))
+            errors.close()
+            errors.join_thread()
+        finally:
+            os._exit(1)
+
+
+def run_rank(setup: RankSetup, rank: int) -> None:
+    """A rank other than the front (a spawned worker, or a torchrun / other-node process): build, then serve
+    steps until the front says stop."""
+    built = build_rank(setup, rank)
+    mirror = RequestMirror(built.runner.device)
+    while (message := receive_step(built.control)) is not None:
+        scheduled = mirror.apply(message)
+        mirror.record(scheduled, built.runner.execute(scheduled))
+    leave()
