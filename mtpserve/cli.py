@@ -21,7 +21,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     add_graph_args(p)
+    add_parallel_args(p)
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism and multi-node flags (vLLM's / torchrun's names), shared by generate, serve, bench."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks, one process each (spawned here; or started by torchrun)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are split over (run the same command on each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node (0 runs the engine and the server)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one; single node)")
+
+
+def parallel_kwargs(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                master_addr=args.master_addr, master_port=args.master_port)
 
 
 def add_graph_args(p: argparse.ArgumentParser) -> None:
@@ -48,11 +64,14 @@ def engine_kwargs(args) -> dict:
     return dict(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, dtype=args.dtype,
-                device=args.device, seed=args.seed, **graph_kwargs(args))
+                device=args.device, seed=args.seed, **graph_kwargs(args), **parallel_kwargs(args))
 
 
 def run_generate(args) -> None:
     from mtpserve import LLM, SamplingParams
+    from mtpserve.engine.engine import engine_config, run_non_front_ranks
+    if run_non_front_ranks(engine_config(**engine_kwargs(args))):
+        return   # this node's ranks served the front until it stopped
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)

@@ -316,6 +316,9 @@ class FakeEngine:
     def abort_request(self, rid):
         self.reqs.pop(rid, None)
 
+    def check_health(self):
+        pass
+
     def has_unfinished_requests(self):
         return bool(self.reqs)
 

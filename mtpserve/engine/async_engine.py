@@ -10,7 +10,9 @@ command queue; the thread hands outputs back to each request's asyncio.Queue wit
 
 A consumer that stops early (client disconnect) aborts its request, which frees its KV blocks. An
 exception from engine.step() fails the requests that were in the engine (each gets an EngineError) and
-the loop carries on with new requests.
+the loop carries on with new requests, unless a rank of a tensor-parallel engine failed (checked after each
+failed step and every second while idle): then the loop stops, new requests get EngineDeadError (503) and
+`on_fatal` is called (the server shuts down).
 """
 import asyncio
 import logging
@@ -72,14 +74,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine, max_queue_len: int | None = None, on_outputs=None, on_abort=None):
+    def __init__(self, engine, max_queue_len: int | None = None, on_outputs=None, on_abort=None, on_fatal=None):
         """on_outputs(outputs, now) / on_abort(request_id): called on the engine thread after each step /
-        abort (metrics)."""
+        abort (metrics); on_fatal(): once, when the engine can run no more steps."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_queue_len = max_queue_len
-        self.on_outputs, self.on_abort = on_outputs, on_abort
+        self.on_outputs, self.on_abort, self.on_fatal = on_outputs, on_abort, on_fatal
         self._commands: deque = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, RequestStream] = {}   # engine thread only
@@ -153,7 +155,8 @@ class AsyncEngine:
         while True:
             with self._wake:
                 while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
-                    self._wake.wait()
+                    if not self._wake.wait(timeout=1.0) and not self._healthy():
+                        break
                 if self._stop:
                     break
                 commands = list(self._commands)
@@ -221,6 +224,7 @@ class AsyncEngine:
             self.num_step_errors += 1
             logger.exception("engine step failed; failing the %d requests in the engine", len(self._streams))
             self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+            self._healthy()
             return
         self._refresh(num_adds)   # before delivery: a consumer that sees an output sees the stats after it
         if self.on_outputs is not None and outputs:   # before the consumers see them
@@ -235,6 +239,19 @@ class AsyncEngine:
             stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+    def _healthy(self) -> bool:
+        """False (and the loop told to stop, on_fatal called) once the engine cannot run steps any more."""
+        try:
+            self.engine.check_health()
+            return True
+        except Exception as e:
+            logger.error("engine is dead: %s", e)
+            with self._wake:
+                self._stop = True
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return False
 
     def _refresh(self, num_adds: int) -> None:
         """New snapshots; the adds just handled stop counting as pending in the same breath, so that

@@ -30,9 +30,16 @@ class PrefillHandoff:
     finish_reason: str | None = None      # set when the request already ended at its first token
 
 
+def single_process(engine: LLMEngine) -> None:
+    if engine.config.tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size = {engine.config.tensor_parallel_size}: in-process disaggregation "
+                         "moves one process's KV cache; use tensor_parallel_size = 1")
+
+
 def prefill(engine: LLMEngine, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
             params: SamplingParams) -> PrefillHandoff:
     """Runs `request_id` on the prefill engine until it has its first token, then exports and frees it."""
+    single_process(engine)
     if params.n != 1:
         raise ValueError("n: disaggregated prefill hands over one sequence per request; use n = 1")
     engine.add_request(request_id, prompt, prompt_token_ids, params)
@@ -52,6 +59,7 @@ def prefill(engine: LLMEngine, request_id: str, prompt: str | None, prompt_token
 
 def add_prefilled(engine: LLMEngine, h: PrefillHandoff) -> None:
     """Continues a request prefilled elsewhere: its KV is copied into this engine's blocks."""
+    single_process(engine)
     if h.finish_reason is not None:
         raise ValueError(f"handoff: request {h.request_id!r} already finished ({h.finish_reason}) at prefill")
     if len(engine.scheduler.running) >= engine.config.max_num_seqs:

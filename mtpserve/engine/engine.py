@@ -13,7 +13,7 @@ from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, se
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
-from mtpserve.executor.worker import RankSetup
+from mtpserve.executor.worker import RankSetup, run_rank, worker_process
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from mtpserve.model.parallel import TensorParallel
 from mtpserve.sampling_params import SamplingParams
@@ -73,13 +73,47 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
                      lookahead, k + 1 + lookahead, launch)
 
 
+def engine_config(model: str | None = None, speculative_config: dict | None = None, **kwargs) -> EngineConfig:
+    return EngineConfig(model=model, speculative=SpeculativeConfig.from_dict(speculative_config), **kwargs)
+
+
+def is_front(launch: Launch) -> bool:
+    """The process that holds rank 0 (scheduler, server); under torchrun, the one torchrun made rank 0."""
+    return int(os.environ.get("RANK", 0)) == 0 if launch.external else launch.node_rank == 0
+
+
+def run_non_front_ranks(cfg: EngineConfig) -> bool:
+    """In a process other than the front (a node after the first, or a torchrun process other than rank 0),
+    runs this process's ranks until the front stops them and returns True; in the front, returns False."""
+    setup = engine_setup(cfg)
+    launch = setup.launch
+    if is_front(launch):
+        return False
+    if launch.external:
+        run_rank(setup, int(os.environ["RANK"]))
+        return True
+    ctx = torch.multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    others = [ctx.Process(target=worker_process, args=(setup, rank, errors)) for rank in launch.local_ranks()[1:]]
+    for p in others:
+        p.start()
+    try:
+        run_rank(setup, launch.local_ranks()[0])
+    finally:
+        for p in others:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return True
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         self.config = cfg
         setup = engine_setup(cfg)
-        if setup.launch.node_rank != 0 or (setup.launch.external and int(os.environ.get("RANK", 0)) != 0):
-            raise ValueError("this process is not rank 0: run the same command with run_non_front_ranks (the "
-                             "command line does this itself on every node but the first)")
+        if not is_front(setup.launch):
+            raise ValueError(f"node_rank = {setup.launch.node_rank}: only the first node (rank 0) runs the engine; "
+                             "other nodes run their ranks with run_non_front_ranks (the command line does this)")
         self.model_config, self.max_model_len = setup.model_config, setup.max_model_len
         self.max_step_overshoot = setup.max_step_overshoot
         self.num_lookahead_slots = setup.num_lookahead_slots
@@ -107,8 +141,8 @@ class LLMEngine:
         self.children: dict[str, list[Request]] = {}
 
     @classmethod
-    def from_kwargs(cls, model: str | None = None, speculative_config: dict | None = None, **kwargs) -> "LLMEngine":
-        return cls(EngineConfig(model=model, speculative=SpeculativeConfig.from_dict(speculative_config), **kwargs))
+    def from_kwargs(cls, *args, **kwargs) -> "LLMEngine":
+        return cls(engine_config(*args, **kwargs))
 
     def shutdown(self) -> None:
         """Stops worker processes (tensor parallelism); the engine cannot run after this."""

@@ -44,7 +44,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         import torch.distributed._functional_collectives as fc
-        gathered = fc.wait_tensor(fc.all_gather_tensor(x.contiguous(), 0, self.group))   # [size * M, n]
+        gathered = fc.wait_tensor(fc.all_gather_single(x.contiguous(), 0, self.group))   # [size * M, n]
         return gathered.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 

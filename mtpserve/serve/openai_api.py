@@ -176,7 +176,7 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from mtpserve.cli import add_graph_args
+    from mtpserve.cli import add_graph_args, add_parallel_args
     a = parser.add_argument
     a("--model", default=None, help="HF checkpoint directory (default: the shipped default model)")
     a("--host", default="127.0.0.1")
@@ -190,6 +190,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--max-num-batched-tokens", type=int, default=None)
     a("--num-kv-blocks", type=int, default=None)
     add_graph_args(parser)
+    add_parallel_args(parser)
     a("--dtype", default="auto")
     a("--seed", type=int, default=0)
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
@@ -199,9 +200,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def build_engine(args):
-    from mtpserve.cli import graph_kwargs
-    from mtpserve.engine.engine import LLMEngine
+def engine_kwargs(args) -> dict:
+    from mtpserve.cli import graph_kwargs, parallel_kwargs
     spec = None
     if args.speculative_config:
         try:
@@ -210,26 +210,42 @@ def build_engine(args):
             raise SystemExit(f"--speculative-config is not valid JSON: {e}")
     kwargs = dict(model=args.model, speculative_config=spec, **graph_kwargs(args),
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed)
+                  num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed, **parallel_kwargs(args))
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    return LLMEngine.from_kwargs(**kwargs)
+    return kwargs
+
+
+def build_engine(args):
+    from mtpserve.engine.engine import LLMEngine
+    return LLMEngine.from_kwargs(**engine_kwargs(args))
 
 
 def run_server(args) -> None:
     import uvicorn
 
     from mtpserve.engine.async_engine import AsyncEngine
+    from mtpserve.engine.engine import engine_config, run_non_front_ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    async_engine = AsyncEngine(build_engine(args), max_queue_len=args.max_queue_len)
+    if run_non_front_ranks(engine_config(**engine_kwargs(args))):
+        return   # a node after the first: its ranks served node 0's engine until it stopped
+    server = None
+
+    def stop_serving():   # a rank failed: the engine is dead, so is the server (clients got their errors)
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(build_engine(args), max_queue_len=args.max_queue_len, on_fatal=stop_serving)
     names = args.served_model_name or [args.model or "mtpserve-default"]
     app = build_app(async_engine, names, args.api_key, async_engine.max_model_len)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", names, args.host, args.port,
                 async_engine.max_model_len)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        server.run()
     finally:
         async_engine.shutdown()
+        async_engine.engine.shutdown()
 
 
 def main(argv=None) -> None:
