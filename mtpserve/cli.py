@@ -79,6 +79,7 @@ def run_generate(args) -> None:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    llm.engine.shutdown()
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     for out in outputs:
         print(f"--- prompt: {out.prompt!r}\n{out.prompt}{out.outputs[0].text}\n")

@@ -18,7 +18,10 @@ from mtpserve.model.parallel import TensorParallel
 
 # A collective that waits longer than this means a rank is stuck (a dead rank is noticed at once: gloo and
 # NCCL see its sockets close). Start-up compiles graphs on every rank, so it is generous.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("MTPSERVE_COLLECTIVE_TIMEOUT", 600)))
+def collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("MTPSERVE_COLLECTIVE_TIMEOUT", 600)))
+
+
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -88,11 +91,14 @@ def join(rank: int, launch: Launch, device: torch.device) -> tuple[TensorParalle
     control group (gloo) the front hands each step over."""
     os.environ.update(MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port),
                       RANK=str(rank), WORLD_SIZE=str(launch.world_size))
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first "
+                           "(engine.shutdown()); torch.distributed has one default process group per process")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=launch.world_size,
-                            timeout=COLLECTIVE_TIMEOUT)
+                            timeout=collective_timeout())
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(rank, launch.world_size, dist.group.WORLD), control
 
