@@ -19,10 +19,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="auto")
+    add_quantization_arg(p)
     p.add_argument("--device", default="auto")
     add_graph_args(p)
     add_parallel_args(p)
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "none"],
+                   help="fp8: linear weights in FP8 in memory (an FP8 checkpoint is kept so by default; a bf16 one is "
+                        "quantized as it loads); none: dequantize an FP8 checkpoint")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -64,7 +71,8 @@ def engine_kwargs(args) -> dict:
     return dict(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, dtype=args.dtype,
-                device=args.device, seed=args.seed, **graph_kwargs(args), **parallel_kwargs(args))
+                device=args.device, seed=args.seed, quantization=args.quantization, **graph_kwargs(args),
+                **parallel_kwargs(args))
 
 
 def run_generate(args) -> None:

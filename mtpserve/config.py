@@ -210,3 +210,4 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None            # None: a free port (single node)
+    quantization: str | None = None           # "fp8": FP8 weights in memory; "none": dequantize; None: the checkpoint's

@@ -95,7 +95,8 @@ MIXED = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperat
          num_kv_blocks=24, block_size=4),
     dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1, "scorer": "batch_expansion"}),
     dict(speculative_config=None),
-], ids=["mtp_k3_chunked_preempted", "mtp_k1_batch_expansion", "no_spec"])
+    dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}, quantization="fp8"),
+], ids=["mtp_k3_chunked_preempted", "mtp_k1_batch_expansion", "no_spec", "fp8_in_memory"])
 def test_tp2_matches_one_process(ckpt, kw):
     tokens_one, metrics_one = run(reference(ckpt, **kw), MIXED)
     two = tensor_parallel(ckpt, **kw)

@@ -61,6 +61,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--no-hf-mtp", action="store_true", help="skip transformers generate(use_mtp=True)")
     rf = sub.add_parser("roofline", help="bandwidth floor of a decode step vs the measured step (random ~300M model)")
     _common(rf, 32, 16)
+    pa = sub.add_parser("parallel", help="tensor-parallel sizes side by side (same cores), and the all-reduce cost")
+    _common(pa, 32, 64)
+    pa.add_argument("--tensor-parallel-sizes", default="1,2", help="comma list")
+    pa.add_argument("--batch-sizes", default="1,32", help="comma list")
+    sc = sub.add_parser("scaling", help="a checkpoint's layout over N devices (TP, DP+EP) from its config alone")
+    sc.add_argument("--config", default="deepseek-v3", help="'deepseek-v3', a checkpoint dir or a config.json")
+    sc.add_argument("--devices", default="8,16", help="comma list of device counts")
+    sc.add_argument("--memory-gib", type=float, default=141.0, help="memory per device (H200: 141)")
+    sc.add_argument("--fp8", action="store_true", help="FP8 linear weights (DeepSeek-V3's released format)")
+    sc.add_argument("--batch", type=int, default=32, help="decode batch per device")
     rp = sub.add_parser("report", help="write docs/BENCHMARKS.md (and plots) from result JSON files")
     rp.add_argument("--results", nargs="+", required=True, help="result JSON files")
     rp.add_argument("--out", default="docs/BENCHMARKS.md")
@@ -69,6 +79,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args) -> dict | None:
+    if args.bench_command == "scaling":
+        from mtpserve.bench import scaling
+        cfg = scaling.load_config(args.config)
+        print("\n".join(scaling.table(cfg, common.parse_list(args.devices), args.memory_gib, args.fp8, args.batch)))
+        return None
     if args.bench_command == "report":
         from mtpserve.bench import report
         notes = open(args.notes).read().strip() if args.notes else None
@@ -131,6 +146,17 @@ def _peers(args, path: str) -> dict:
                                          dtype=args.dtype)
     for name, v in res["ratios"].items():
         print(f"  {name}: {v:.2f}x")
+    return res
+
+
+def _parallel(args, path: str) -> dict:
+    import os
+
+    from mtpserve.bench import parallel
+    res = parallel.run_parallel(path, common.parse_list(args.tensor_parallel_sizes), common.parse_list(args.batch_sizes),
+                                args.input_len, args.output_len, args.num_iters, args.dtype, args.speculative_config,
+                                args.threads or os.cpu_count() or 1)
+    parallel.print_parallel(res)
     return res
 
 

@@ -70,7 +70,17 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
             DeepseekV3ForCausalLM(model_config, TensorParallel(0, launch.world_size))
     # slots past the last token a step may need: the pending token, k drafts and the lookahead
     return RankSetup(cfg, path, model_config, device.type, dtype, min(cfg.max_model_len or limit, limit),
-                     lookahead, k + 1 + lookahead, launch)
+                     lookahead, k + 1 + lookahead, launch, resolve_quantization(cfg.quantization, model_config))
+
+
+def resolve_quantization(asked: str | None, model_config: ModelConfig) -> str | None:
+    """None follows the checkpoint (an FP8 checkpoint stays FP8 in memory, as in vLLM); "none" dequantizes it;
+    "fp8" also quantizes an unquantized checkpoint's linear weights as it loads."""
+    if asked not in (None, "fp8", "none"):
+        raise ValueError(f"quantization = {asked!r}: must be 'fp8', 'none' or None (the checkpoint's)")
+    if asked is None:
+        return "fp8" if model_config.quantization_config else None
+    return None if asked == "none" else asked
 
 
 def engine_config(model: str | None = None, speculative_config: dict | None = None, **kwargs) -> EngineConfig:

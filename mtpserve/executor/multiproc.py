@@ -46,8 +46,8 @@ class MultiProcExecutor:
         except Exception as e:
             self._fail(e)
             raise WorkerFailedError(f"start-up failed: {self.failure}") from e
-        self.runner, self.num_blocks, self.control, self.load_stats = (built.runner, built.num_blocks, built.control,
-                                                                        built.load_stats)
+        self.runner, self.num_blocks, self.control, self.rank_stats = (built.runner, built.num_blocks, built.control,
+                                                                        built.rank_stats)
         logger.info("tensor parallel: %d ranks (%d worker processes started here)", launch.world_size,
                     len(self.workers))
 

@@ -5,7 +5,7 @@ from mtpserve.executor.worker import RankSetup, build_rank
 class UniProcExecutor:
     def __init__(self, setup: RankSetup):
         rank = build_rank(setup, 0)
-        self.runner, self.num_blocks, self.load_stats = rank.runner, rank.num_blocks, rank.load_stats
+        self.runner, self.num_blocks, self.rank_stats = rank.runner, rank.num_blocks, rank.rank_stats
 
     def execute(self, scheduled):
         return self.runner.execute(scheduled)

@@ -2,6 +2,8 @@
 worker processes; and the loop a worker process runs."""
 import logging
 import os
+import resource
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ class RankSetup:
     num_lookahead_slots: int        # KV slots the MTP draft passes write past the verified ones
     max_step_overshoot: int         # slots past the last token a step may need
     launch: Launch
+    quantization: str | None        # "fp8" or None (weights in `dtype`)
 
 
 @dataclass
@@ -37,7 +40,26 @@ class Rank:
     runner: ModelRunner
     num_blocks: int
     control: object            # the gloo group steps are handed over on (None with one rank)
-    load_stats: LoadStats
+    rank_stats: list[dict]     # every rank's memory and load figures (rank_summary), rank 0 first
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rank_summary(rank: int, runner: ModelRunner, stats: LoadStats, rss_before: int, seconds: float) -> dict:
+    """Weight and KV bytes this rank holds, what its load read, and how far its resident memory rose while
+    loading (peak RSS minus RSS before: valid when nothing earlier in the process peaked higher)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in runner.model.parameters()}
+    return dict(rank=rank, weight_bytes=sum(storages.values()),
+                kv_bytes=sum(c.numel() * c.element_size() for c in runner.kv_caches),
+                checkpoint_bytes_read=stats.bytes_read, load_seconds=seconds,
+                load_peak_rss_rise_bytes=max(0, peak_rss_bytes() - rss_before))
 
 
 def kv_blocks_from_memory(setup: RankSetup, device: torch.device) -> int:
@@ -68,8 +90,10 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
         agreed = torch.tensor([num_blocks])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
         num_blocks = int(agreed)
-    stats = LoadStats()
-    model = load_model(setup.path, setup.dtype, device, setup.model_config, tp, stats).eval().fuse_for_inference()
+    stats, rss_before, start = LoadStats(), rss_bytes(), time.perf_counter()
+    model = load_model(setup.path, setup.dtype, device, setup.model_config, tp, stats,
+                       setup.quantization).eval().fuse_for_inference()
+    load_seconds = time.perf_counter() - start
     spec = cfg.speculative
     if spec is not None and spec.draft_vocab_size is not None:
         ids, coverage = load_draft_vocab(setup.path, spec.draft_vocab_size, setup.model_config.vocab_size)
@@ -81,7 +105,12 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
     runner = ModelRunner(model, num_blocks, cfg.block_size, spec, device, setup.dtype, cfg.seed,
                          cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot)
     runner.warm_up_graphs()
-    return Rank(runner, num_blocks, control, stats)
+    summary = rank_summary(rank, runner, stats, rss_before, load_seconds)
+    every = [summary]
+    if control is not None:
+        every = [None] * launch.world_size
+        dist.all_gather_object(every, summary, group=control)
+    return Rank(runner, num_blocks, control, every)
 
 
 def worker_process(setup: RankSetup, rank: int, errors) -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
+from mtpserve.model.fp8 import apply_linear, weight_of
 from mtpserve.model.layers import RMSNorm, RotaryEmbedding, linear, share_storage, softmax_scale
 from mtpserve.model.parallel import TensorParallel
 
@@ -162,10 +163,10 @@ class MLAttention(nn.Module):
             q, kv_a = linear(x, self.x_proj).split([self.x_proj.shape[0] - self.kv_a_proj_with_mqa.weight.shape[0],
                                                        self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
         else:
-            q = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
-            kv_a = self.kv_a_proj_with_mqa(x)
+            q = apply_linear(self.q_proj if self.q_lora_rank is None else self.q_a_proj, x)
+            kv_a = apply_linear(self.kv_a_proj_with_mqa, x)
         if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q = apply_linear(self.q_b_proj, self.q_a_layernorm(q))
         return q, kv_a
 
     def latent_kv(self, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -175,7 +176,7 @@ class MLAttention(nn.Module):
 
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
-        kv = self.latent_kv(linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias), positions)
+        kv = self.latent_kv(linear(x, weight_of(self.kv_a_proj_with_mqa), self.kv_a_proj_with_mqa.bias), positions)
         kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = kv.to(kv_cache.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -232,7 +233,7 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(query, key.transpose(1, 2), value.transpose(1, 2),
                                                  attn_mask=meta.mask, scale=self.scale)
             out = from_padded(out)                                                # [N, H, v]
-        return linear(out.reshape(n, self.num_heads * self.v_dim), self.o_proj.weight,
+        return linear(out.reshape(n, self.num_heads * self.v_dim), weight_of(self.o_proj),
                       self.o_proj.bias if self.adds_o_bias else None)
 
     def _absorb_queries(self, q_nope: torch.Tensor) -> torch.Tensor:   # [N, H, nope] -> [N, H, r]

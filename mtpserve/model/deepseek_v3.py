@@ -10,6 +10,7 @@ from torch import nn
 
 from mtpserve.config import ModelConfig
 from mtpserve.model.attention import AttentionMetadata, MLAttention, dense_metadata
+from mtpserve.model.fp8 import weight_of
 from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding, linear
 from mtpserve.model.moe import MoE
 from mtpserve.model.parallel import TensorParallel, VocabParallelEmbedding
@@ -58,7 +59,7 @@ class MTPLayer(DecoderLayer):
         """output_index (one token per request): only those tokens' outputs are wanted. The others then only
         write their KV; attention and MoE run for the wanted tokens alone (exact: nothing else reads them)."""
         x = linear(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1),
-                   self.eh_proj.weight)
+                   weight_of(self.eh_proj))
         if output_index is None or kv_cache is None or len(output_index) == x.shape[0]:   # (all wanted)
             return super().forward(x, positions, meta, kv_cache)
         self.self_attn.write_kv(self.input_layernorm(x), positions, meta.slot_mapping, kv_cache)

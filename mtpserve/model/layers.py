@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
+from mtpserve.model.fp8 import Fp8Weight, weight_of
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +31,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return linear(silu_and_mul(linear(x, self.gate_up)), self.down_proj.weight)
+        return linear(silu_and_mul(linear(x, self.gate_up)), weight_of(self.down_proj))
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -50,6 +51,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     - eagerly, for fp32 and a contiguous weight, weight @ x.T; one row goes in twice, as MKL's GEMV reads a
       cold weight at about half the speed of a two-column GEMM. (A strided weight, e.g. one expert's slice of
       the stacked down projections, is the other way round: F.linear reads it faster.)"""
+    if isinstance(weight, Fp8Weight):   # FP8 in memory: dequantized for this product only
+        weight = weight.dequantize(x.dtype)
     rows = x.shape[0]
     if not (0 < rows <= FEW_ROWS and x.dim() == 2 and x.device.type == "cpu"):
         return F.linear(x, weight, bias)
@@ -67,16 +70,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def share_storage(linears: list[nn.Linear], dim: int = 0) -> torch.Tensor:
+def share_storage(linears: list[nn.Linear], dim: int = 0) -> torch.Tensor | Fp8Weight:
     """Concatenates the linears' weights along `dim` and makes each weight a view of the result (the state
-    dict keeps its names and no memory is duplicated). For inference: the views are not trained."""
+    dict keeps its names and no memory is duplicated). For inference: the views are not trained. FP8 weights
+    (all or none of them) are concatenated with their scales."""
     fused = torch.cat([m.weight.detach() for m in linears], dim=dim)
+    fp8 = getattr(linears[0], "weight_scale", None) is not None
+    scales = torch.cat([m.weight_scale for m in linears], dim=dim) if fp8 else None
     start = 0
     for m in linears:
         size = m.weight.shape[dim]
         m.weight = nn.Parameter(fused.narrow(dim, start, size), requires_grad=False)
+        if fp8:
+            m.weight_scale = scales.narrow(dim, start, size)
         start += size
-    return fused
+    return Fp8Weight(fused, scales, linears[0].weight_block) if fp8 else fused
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from mtpserve.config import ModelConfig
 from mtpserve.model.checkpoint import hf_name
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from mtpserve.model.fp8 import Fp8Weight, from_tiles, keeps_fp8, quantize_rows, set_fp8
 from mtpserve.model.parallel import TensorParallel, VocabParallelEmbedding, shard_kind, shard_slices
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -68,27 +69,61 @@ class LoadStats:
         self.tensors = 0
 
 
-def _read_slice(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, stats: LoadStats):
-    """This rank's part of checkpoint tensor `key` (all of it when index is None), float8 dequantized."""
+def _read_raw(f, key: str, index: tuple | None, stats: LoadStats) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `key` (all of it when index is None), as stored."""
     sl = f.get_slice(key)
     t = sl[index] if index is not None else sl[:]
     stats.bytes_read += t.numel() * t.element_size()
     stats.tensors += 1
-    if t.dtype == torch.float8_e4m3fn:
-        scale_key = key.removesuffix("weight") + "weight_scale_inv"
-        if scale_key not in keys:
-            raise ValueError(f"checkpoint: FP8 tensor {key} has no {scale_key}")
-        block = tuple((cfg.quantization_config or {}).get("weight_block_size", (128, 128)))
-        starts = [s.start or 0 for s in index or ()] + [0, 0]   # where the slice begins in the full weight
-        t = dequantize_fp8_blockwise(t, f.get_tensor(scale_key), block, (starts[0], starts[1]))
     return t
 
 
+def _scale_of(f, key: str, keys: set) -> torch.Tensor:
+    scale_key = key.removesuffix("weight") + "weight_scale_inv"
+    if scale_key not in keys:
+        raise ValueError(f"checkpoint: FP8 tensor {key} has no {scale_key}")
+    return f.get_tensor(scale_key)
+
+
+def _slice_start(index: tuple | None) -> tuple[int, int]:
+    """Where a slice begins in the full weight (row, column)."""
+    starts = [s.start or 0 for s in index or ()] + [0, 0]
+    return starts[0], starts[1]
+
+
+def _block(cfg: ModelConfig) -> tuple[int, int]:
+    return tuple((cfg.quantization_config or {}).get("weight_block_size", (128, 128)))
+
+
+def _read_slice(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, stats: LoadStats):
+    """This rank's part of checkpoint tensor `key`, float8 dequantized."""
+    t = _read_raw(f, key, index, stats)
+    if t.dtype == torch.float8_e4m3fn:
+        t = dequantize_fp8_blockwise(t, _scale_of(f, key, keys), _block(cfg), _slice_start(index))
+    return t
+
+
+def _read_fp8(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, stats: LoadStats,
+              device) -> Fp8Weight | None:
+    """This rank's slice of `key` as an Fp8Weight: kept as stored when FP8 (None if the slice starts inside a
+    column tile: then it is dequantized), else quantized now (one scale per row and 128 columns)."""
+    t = _read_raw(f, key, index, stats)
+    if t.dtype == torch.float8_e4m3fn:
+        w = from_tiles(t, _scale_of(f, key, keys), _slice_start(index), _block(cfg))
+    else:
+        w = quantize_rows(t)
+    return None if w is None else Fp8Weight(w.data.to(device), w.scale.to(device), w.block)
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg: ModelConfig | None = None,
-               tp: TensorParallel = TensorParallel(), stats: LoadStats | None = None) -> DeepseekV3ForCausalLM:
+               tp: TensorParallel = TensorParallel(), stats: LoadStats | None = None,
+               quantization: str | None = None) -> DeepseekV3ForCausalLM:
     """Builds the model (this rank's shard under tensor parallelism) on the meta device, then gives each
     parameter its checkpoint slice in its final dtype, one tensor at a time: peak memory is the shard plus
-    one tensor. The MoE router stays float32 (routing is sensitive)."""
+    one tensor. The MoE router stays float32 (routing is sensitive). quantization "fp8": linear weights stay
+    (or, from an unquantized checkpoint, become) FP8 in memory (model/fp8.py); None: all in `dtype`."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization = {quantization!r}: must be 'fp8' or None")
     cfg = cfg or ModelConfig.from_pretrained(path)
     stats = stats if stats is not None else LoadStats()
     with torch.device("meta"):
@@ -120,6 +155,12 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg:
                         bad_shape.append(f"{key}: checkpoint {full}, model {expected}")
                         loaded.add(name)   # reported once, as wrongly shaped
                         continue
+                    if quantization == "fp8" and keeps_fp8(name):
+                        w = _read_fp8(f, key, keys, index, cfg, stats, device)
+                        if w is not None:
+                            set_fp8(owners[name], w)
+                            loaded.add(name)
+                            continue
                     wanted = torch.float32 if ".mlp.gate." in name else dtype
                     t = _read_slice(f, key, keys, index, cfg, stats).to(device=device, dtype=wanted)
                     if kind == "vocab" and t.shape[0] < params[name].shape[0]:   # the last rank's padding rows

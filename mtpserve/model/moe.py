@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
+from mtpserve.model.fp8 import Fp8Weight
 from mtpserve.model.layers import MLP, linear, silu_and_mul
 from mtpserve.model.parallel import TensorParallel
 
@@ -65,8 +66,8 @@ class MoE(nn.Module):
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, inter * cfg.n_shared_experts)
-        self.w13: torch.Tensor | None = None   # stacked expert weights, set by fuse()
-        self.w2: torch.Tensor | None = None
+        self.w13: torch.Tensor | Fp8Weight | None = None   # stacked expert weights, set by fuse()
+        self.w2: torch.Tensor | Fp8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -74,15 +75,21 @@ class MoE(nn.Module):
         if self.w13 is None:   # unfused (training): the per-expert modules
             w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
             return out + _hit_experts(x, weights, ids, w13, torch.stack([e.down_proj.weight for e in self.experts], 1))
+        fp8 = isinstance(self.w13, Fp8Weight)
         if torch.compiler.is_compiling():
             if x.is_cuda:   # a CUDA graph cannot loop over the experts hit on the host: all experts, two GEMMs
-                return out + _all_experts(x, weights, ids, self.w13, self.w2)
+                w13, w2 = (self.w13.dequantize(x.dtype), self.w2.dequantize(x.dtype)) if fp8 else (self.w13, self.w2)
+                return out + _all_experts(x, weights, ids, w13, w2)
             if ids.numel() <= FEW_CHOICES:
                 return out + _chosen_pairs(x, weights, ids, self.w13, self.w2)
+            if fp8:   # the experts hit, each dequantized as it runs
+                return out + routed_experts_fp8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
+                                                self.w2.scale, self.w13.block)
             if x.dtype == torch.bfloat16:   # (inductor takes torch._grouped_mm in bf16 only)
                 return out + _grouped_experts(x, weights, ids, self.w13, self.w2)
             return out + routed_experts(x, weights, ids, self.w13, self.w2)
-        if x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= len(self.w13) and x.dtype != torch.float32:
+        if (not fp8 and x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= len(self.w13)
+                and x.dtype != torch.float32):
             # A few tokens choosing about half the experts or more, in half precision (whose CPU GEMMs cost the
             # same for 1 and 16 rows; fp32 ones do not): all experts as two GEMMs, weighted by the (mostly zero)
             # routing weights.
@@ -93,14 +100,25 @@ class MoE(nn.Module):
     def fuse(self) -> None:
         """Inference only: the experts' weights become views of two tensors, w13 [E, 2I, H] (gate and up of
         an expert as one GEMM) and w2 [H, E, I] (all down projections side by side: one GEMM over all
-        experts' outputs); the state dict keeps its names."""
-        self.w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-        self.w2 = torch.stack([e.down_proj.weight for e in self.experts], dim=1)
-        inter = self.w2.shape[-1]
+        experts' outputs); the state dict keeps its names. FP8 experts are stacked with their scales."""
+        def stack(attr):
+            return (torch.stack([torch.cat([getattr(e.gate_proj, attr), getattr(e.up_proj, attr)]) for e in self.experts]),
+                    torch.stack([getattr(e.down_proj, attr) for e in self.experts], dim=1))
+
+        w13, w2 = stack("weight")
+        inter = w2.shape[-1]
         for i, e in enumerate(self.experts):
-            e.gate_proj.weight = nn.Parameter(self.w13[i, :inter], requires_grad=False)
-            e.up_proj.weight = nn.Parameter(self.w13[i, inter:], requires_grad=False)
-            e.down_proj.weight = nn.Parameter(self.w2[:, i], requires_grad=False)
+            e.gate_proj.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
+            e.up_proj.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(w2[:, i], requires_grad=False)
+        self.w13, self.w2 = w13, w2
+        block = getattr(self.experts[0].gate_proj, "weight_block", None)
+        if block is not None:
+            s13, s2 = stack("weight_scale")
+            for i, e in enumerate(self.experts):
+                e.gate_proj.weight_scale, e.up_proj.weight_scale = s13[i, :inter], s13[i, inter:]
+                e.down_proj.weight_scale = s2[:, i]
+            self.w13, self.w2 = Fp8Weight(w13, s13, block), Fp8Weight(w2, s2, block)
 
 
 def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
@@ -172,6 +190,18 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
 
 @routed_experts.register_fake
 def _(x, weights, ids, w13, w2):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mtpserve::routed_experts_fp8", mutates_args=())
+def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                       s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block: int) -> torch.Tensor:
+    """The same with FP8 experts (w13/w2 and their scales), each expert dequantized as it runs."""
+    return _hit_experts(x, weights, ids, Fp8Weight(w13, s13, block), Fp8Weight(w2, s2, block))
+
+
+@routed_experts_fp8.register_fake
+def _(x, weights, ids, w13, s13, w2, s2, block):
     return torch.empty_like(x)
 
 

@@ -176,7 +176,7 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from mtpserve.cli import add_graph_args, add_parallel_args
+    from mtpserve.cli import add_graph_args, add_parallel_args, add_quantization_arg
     a = parser.add_argument
     a("--model", default=None, help="HF checkpoint directory (default: the shipped default model)")
     a("--host", default="127.0.0.1")
@@ -191,6 +191,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--num-kv-blocks", type=int, default=None)
     add_graph_args(parser)
     add_parallel_args(parser)
+    add_quantization_arg(parser)
     a("--dtype", default="auto")
     a("--seed", type=int, default=0)
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
@@ -210,7 +211,8 @@ def engine_kwargs(args) -> dict:
             raise SystemExit(f"--speculative-config is not valid JSON: {e}")
     kwargs = dict(model=args.model, speculative_config=spec, **graph_kwargs(args),
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed, **parallel_kwargs(args))
+                  num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
+                  **parallel_kwargs(args))
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kwargs
