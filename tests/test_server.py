@@ -373,6 +373,46 @@ def test_async_engine_queue_limit_and_errors():
     asyncio.run(main())
 
 
+class DyingEngine(FakeEngine):
+    """A multi-process engine whose rank fails at the first step: the step raises and it stays unhealthy."""
+
+    def __init__(self):
+        super().__init__()
+        self.dead = False
+
+    def step(self):
+        self.dead = True
+        raise RuntimeError("worker rank 1 (pid 123) exited with code -9")
+
+    def check_health(self):
+        if self.dead:
+            raise RuntimeError("worker rank 1 (pid 123) exited with code -9")
+
+
+def test_dead_engine_fails_requests_then_answers_503_and_stops_the_server():
+    from mtpserve.serve.openai_api import build_app
+    fatal = []
+
+    async def main():
+        ae = AsyncEngine(DyingEngine(), on_fatal=lambda: fatal.append(True))
+        app = build_app(ae, "fake", None, 64)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+                assert r.status_code >= 500 and "exited" in r.text   # the in-flight request gets the error
+                for _ in range(100):
+                    if not ae.is_running:
+                        break
+                    await asyncio.sleep(0.02)
+                assert fatal == [True] and not ae.is_running
+                assert (await c.get("/health")).status_code == 503
+                r = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+                assert r.status_code == 503
+        finally:
+            ae.shutdown()
+    asyncio.run(main())
+
+
 def test_queue_full_is_503():
     from mtpserve.serve.openai_api import build_app
 

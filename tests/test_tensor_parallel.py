@@ -185,8 +185,11 @@ def test_each_rank_reads_only_its_slices(tmp_path):
     full = load_model(path).state_dict()
     for rank in range(2):
         stats = LoadStats()
-        shard = load_model(path, tp=TensorParallel(rank, 2), stats=stats).state_dict()
+        model = load_model(path, tp=TensorParallel(rank, 2), stats=stats)
         assert stats.bytes_read < 0.7 * file_bytes   # embeddings, heads, attention and experts: halves
+        held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        assert sum(held.values()) < 0.7 * file_bytes   # and the memory behind the weights is the shard's only
+        shard = model.state_dict()
         for name, t in shard.items():
             index = shard_slices(shard_kind(name), tuple(full[name].shape), TensorParallel(rank, 2))
             expected = full[name] if index is None else full[name][index]

@@ -65,6 +65,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _common(pa, 32, 64)
     pa.add_argument("--tensor-parallel-sizes", default="1,2", help="comma list")
     pa.add_argument("--batch-sizes", default="1,32", help="comma list")
+    pa.add_argument("--quantization", default=None, choices=["fp8", "none"], help="as for generate/serve")
     sc = sub.add_parser("scaling", help="a checkpoint's layout over N devices (TP, DP+EP) from its config alone")
     sc.add_argument("--config", default="deepseek-v3", help="'deepseek-v3', a checkpoint dir or a config.json")
     sc.add_argument("--devices", default="8,16", help="comma list of device counts")
@@ -155,7 +156,7 @@ def _parallel(args, path: str) -> dict:
     from mtpserve.bench import parallel
     res = parallel.run_parallel(path, common.parse_list(args.tensor_parallel_sizes), common.parse_list(args.batch_sizes),
                                 args.input_len, args.output_len, args.num_iters, args.dtype, args.speculative_config,
-                                args.threads or os.cpu_count() or 1)
+                                args.threads or os.cpu_count() or 1, args.quantization)
     parallel.print_parallel(res)
     return res
 

@@ -33,7 +33,7 @@ def _time_allreduce(rank: int, port: int, shapes: list, dtype: torch.dtype, iter
 def allreduce_cost(hidden: int, dtype: torch.dtype, batch_sizes: list[int], iters: int = 200) -> dict:
     """ms per all-reduce of [batch, hidden] activations between 2 processes (gloo, loopback), as a TP=2 step
     makes after attention and after the MLP of every layer."""
-    from mtpserve.distributed.launch import free_port
+    from mtpserve.distributed.launch import end_processes, free_port
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -42,23 +42,19 @@ def allreduce_cost(hidden: int, dtype: torch.dtype, batch_sizes: list[int], iter
     for p in procs:
         p.start()
     try:
-        result = out.get(timeout=300)
+        return out.get(timeout=300)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return result
+        end_processes(procs, timeout=30)
 
 
 def run_config(path: str, tp: int, batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
-               dtype: str, spec: dict | None, threads: int) -> dict:
+               dtype: str, spec: dict | None, threads: int, quantization: str | None = None) -> dict:
     from mtpserve import LLM, SamplingParams
     if tp == 1:
         torch.set_num_threads(threads)   # (with more ranks every rank takes cores / ranks threads itself)
     start = time.perf_counter()
     llm = LLM(model=path, dtype=dtype, tensor_parallel_size=tp, speculative_config=spec, enforce_eager=True,
-              max_num_seqs=max(batch_sizes), seed=0)
+              max_num_seqs=max(batch_sizes), seed=0, quantization=quantization)
     startup_s = time.perf_counter() - start
     cfg = llm.engine.model_config
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -89,11 +85,11 @@ def run_config(path: str, tp: int, batch_sizes: list[int], input_len: int, outpu
 
 
 def run_parallel(path: str, tps: list[int], batch_sizes: list[int], input_len: int, output_len: int,
-                 num_iters: int, dtype: str, spec: dict | None, threads: int) -> dict:
+                 num_iters: int, dtype: str, spec: dict | None, threads: int, quantization: str | None = None) -> dict:
     configs, tokens = [], {}
     for tp in sorted(tps, reverse=True):   # larger TP first: rank 0's load-time RSS rise is then its own
         config, tokens[tp] = run_config(path, tp, batch_sizes, input_len, output_len, num_iters, dtype, spec,
-                                        threads)
+                                        threads, quantization)
         configs.append(config)
     configs.sort(key=lambda c: c["tensor_parallel_size"])
     base = min(tps)
@@ -102,7 +98,7 @@ def run_parallel(path: str, tps: list[int], batch_sizes: list[int], input_len: i
     from mtpserve.config import ModelConfig
     cfg = ModelConfig.from_pretrained(path)
     activations = torch.float32 if dtype in ("auto", "float32", "fp32") else torch.bfloat16
-    return dict(configs=configs, num_hidden_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+    return dict(configs=configs, quantization=quantization, num_hidden_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
                 allreduce_ms=allreduce_cost(cfg.hidden_size, activations, batch_sizes))
 
 

@@ -147,6 +147,40 @@ def other_table(rec: dict) -> list[str]:
     return out
 
 
+def parallel_table(rec: dict) -> list[str]:
+    r = rec["results"]
+    mib = 2 ** 20
+    out = [f"Command: `{rec['command']}`", "",
+           f"Model: {rec['model']['num_params_in_checkpoint'] / 1e6:.0f}M parameters, {r['num_hidden_layers']} layers, "
+           f"hidden {r['hidden_size']}. The same cores in every row: TP=1 runs on all of them, TP=N gives each rank "
+           "its share (one thread per rank here).", "",
+           "| TP | start-up s | weights / rank MiB | KV / rank MiB | checkpoint read / rank MiB | load RSS rise / rank MiB "
+           "| same tokens as TP=1 |", "|---|---|---|---|---|---|---|"]
+    for c in r["configs"]:
+        ranks = c["ranks"]
+        same = next((v for k, v in c.items() if k.startswith("same_tokens_as")), None)
+        out.append(f"| {c['tensor_parallel_size']} | {c['startup_s']:.1f} | "
+                   + " / ".join(f"{x['weight_bytes'] / mib:.0f}" for x in ranks) + " | "
+                   + " / ".join(f"{x['kv_bytes'] / mib:.0f}" for x in ranks) + " | "
+                   + " / ".join(f"{x['checkpoint_bytes_read'] / mib:.0f}" for x in ranks) + " | "
+                   + " / ".join(f"{x['load_peak_rss_rise_bytes'] / mib:.0f}" for x in ranks) + f" | {_yes_no(same)} |")
+    out += ["", "| batch | " + " | ".join(f"TP={c['tensor_parallel_size']} TPOT ms (median)" for c in r["configs"])
+            + " | " + " | ".join(f"TP={c['tensor_parallel_size']} tok/s" for c in r["configs"]) + " |",
+            "|---" * (1 + 2 * len(r["configs"])) + "|"]
+    for i, row in enumerate(r["configs"][0]["rows"]):
+        cells = [_f(c["rows"][i]["tpot_ms"]["median"]) for c in r["configs"]]
+        cells += [_f(c["rows"][i]["output_tokens_per_s"], "{:.1f}") for c in r["configs"]]
+        out.append(f"| {row['batch_size']} | " + " | ".join(cells) + " |")
+    out += ["", "All-reduce between 2 processes (gloo, loopback, one thread each), as a TP=2 step makes twice per "
+                "layer: " + ", ".join(f"{shape}: {s['median']:.3f} ms median" for shape, s in r["allreduce_ms"].items())
+            + "."]
+    return out
+
+
+def _yes_no(v) -> str:
+    return "—" if v is None else ("yes" if v else "no")
+
+
 def graph_vs_eager_table(rows: list[dict], bs: int) -> list[str]:
     """The seed's graph-mode table: eager vs graph x (no-MTP ITL, MTP ITL, MTP TPOT, acceleration)."""
     get = {(r["mode"], r["k"]): r for r in rows if r["batch_size"] == bs and (r["k"] == 0 or r["scorer"] == "mqa")
@@ -249,7 +283,7 @@ def write_report(paths: list[str], out_path: str, plot_dir: str, intro: str | No
         lines += [intro, ""]
     titles = dict(latency="Latency sweep (`bench latency`)", peers="Peers: transformers generate (`bench peers`)",
                   throughput="Offline throughput (`bench throughput`)", serve="Serving (`bench serve`)",
-                  roofline="Roofline (`bench roofline`)")
+                  roofline="Roofline (`bench roofline`)", parallel="Tensor parallelism (`bench parallel`)")
     for rec in recs:
         kind = rec["benchmark"]
         mode = "" if rec.get("measurement_mode", "real") == "real" else " — SYNTHETIC ACCEPTANCE (measurement mode)"
@@ -263,6 +297,8 @@ def write_report(paths: list[str], out_path: str, plot_dir: str, intro: str | No
             lines += [""] + [f"![{os.path.basename(p)}]({p})" for p in rel]
         elif kind == "peers":
             lines += peers_table(rec)
+        elif kind == "parallel":
+            lines += parallel_table(rec)
         else:
             lines += other_table(rec)
         lines.append("")

@@ -103,6 +103,15 @@ def join(rank: int, launch: Launch, device: torch.device) -> tuple[TensorParalle
     return TensorParallel(rank, launch.world_size, dist.group.WORLD), control
 
 
+def end_processes(processes, timeout: float) -> None:
+    """Waits up to `timeout` seconds for each process to exit, then kills it."""
+    for p in processes:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -6,7 +6,7 @@ import time
 import torch
 
 from mtpserve.config import EngineConfig, ModelConfig, SpeculativeConfig, check_int_in_range
-from mtpserve.distributed.launch import Launch, check_devices
+from mtpserve.distributed.launch import Launch, check_devices, end_processes
 from mtpserve.engine.detokenizer import detokenize_incrementally
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, seeded_generator
@@ -110,10 +110,7 @@ def run_non_front_ranks(cfg: EngineConfig) -> bool:
     try:
         run_rank(setup, launch.local_ranks()[0])
     finally:
-        for p in others:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        end_processes(others, timeout=30)
     return True
 
 

@@ -12,7 +12,7 @@ import queue
 
 import torch.multiprocessing as mp
 
-from mtpserve.distributed.launch import free_port, leave
+from mtpserve.distributed.launch import end_processes, free_port, leave
 from mtpserve.executor.step_sync import StepSender, send_step
 from mtpserve.executor.worker import RankSetup, build_rank, worker_process
 
@@ -100,8 +100,4 @@ class MultiProcExecutor:
         leave()
 
     def _stop_workers(self, graceful: bool) -> None:
-        for _, p in self.workers:
-            p.join(timeout=10 if graceful else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        end_processes([p for _, p in self.workers], timeout=10 if graceful else 0.5)

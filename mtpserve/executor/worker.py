@@ -52,14 +52,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_summary(rank: int, runner: ModelRunner, stats: LoadStats, rss_before: int, seconds: float) -> dict:
+def rank_summary(rank: int, runner: ModelRunner, stats: LoadStats, load_rss_rise: int, seconds: float) -> dict:
     """Weight and KV bytes this rank holds, what its load read, and how far its resident memory rose while
-    loading (peak RSS minus RSS before: valid when nothing earlier in the process peaked higher)."""
+    loading (peak RSS after loading minus RSS before: valid when nothing earlier in the process peaked higher)."""
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in runner.model.parameters()}
     return dict(rank=rank, weight_bytes=sum(storages.values()),
                 kv_bytes=sum(c.numel() * c.element_size() for c in runner.kv_caches),
                 checkpoint_bytes_read=stats.bytes_read, load_seconds=seconds,
-                load_peak_rss_rise_bytes=max(0, peak_rss_bytes() - rss_before))
+                load_peak_rss_rise_bytes=load_rss_rise)
 
 
 def kv_blocks_from_memory(setup: RankSetup, device: torch.device) -> int:
@@ -93,7 +93,7 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
     stats, rss_before, start = LoadStats(), rss_bytes(), time.perf_counter()
     model = load_model(setup.path, setup.dtype, device, setup.model_config, tp, stats,
                        setup.quantization).eval().fuse_for_inference()
-    load_seconds = time.perf_counter() - start
+    load_seconds, load_rss_rise = time.perf_counter() - start, max(0, peak_rss_bytes() - rss_before)
     spec = cfg.speculative
     if spec is not None and spec.draft_vocab_size is not None:
         ids, coverage = load_draft_vocab(setup.path, spec.draft_vocab_size, setup.model_config.vocab_size)
@@ -105,7 +105,7 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
     runner = ModelRunner(model, num_blocks, cfg.block_size, spec, device, setup.dtype, cfg.seed,
                          cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot)
     runner.warm_up_graphs()
-    summary = rank_summary(rank, runner, stats, rss_before, load_seconds)
+    summary = rank_summary(rank, runner, stats, load_rss_rise, load_seconds)
     every = [summary]
     if control is not None:
         every = [None] * launch.world_size

@@ -112,7 +112,26 @@ def _read_fp8(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, sta
         w = from_tiles(t, _scale_of(f, key, keys), _slice_start(index), _block(cfg))
     else:
         w = quantize_rows(t)
-    return None if w is None else Fp8Weight(w.data.to(device), w.scale.to(device), w.block)
+    return None if w is None else Fp8Weight(w.data.to(device, copy=True), w.scale.to(device), w.block)
+
+
+MAP_WINDOW = 32 * 2 ** 20   # bytes read through one mapping of a checkpoint file before it is reopened
+
+
+def _checkpoint_tensors(path: str, stats: LoadStats):
+    """Yields (open file, key, the file's keys) for every checkpoint tensor. safetensors memory-maps a file, and
+    the pages a rank touches count as resident while it stays mapped: the file is reopened (unmapped) after
+    every MAP_WINDOW bytes read (stats.bytes_read, counted by the caller), so they stay bounded."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            keys = sorted(f.keys())
+        key_set, done = set(keys), 0
+        while done < len(keys):
+            with safe_open(file, framework="pt") as f:
+                window_start = stats.bytes_read
+                while done < len(keys) and stats.bytes_read - window_start < MAP_WINDOW:
+                    yield f, keys[done], key_set
+                    done += 1
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg: ModelConfig | None = None,
@@ -134,42 +153,41 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg:
     optional = set(shared_in_mtp) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     loaded, unexpected, bad_shape, mtp_copies = set(), [], [], {}
     with torch.no_grad():
-        for file in checkpoint_files(path):
-            with safe_open(file, framework="pt") as f:
-                keys = set(f.keys())
-                for key in sorted(keys):
-                    if key.endswith("weight_scale_inv") or key.endswith("rotary_emb.inv_freq"):
-                        continue
-                    name = our_name(key, cfg.num_hidden_layers)
-                    if name not in params and name not in shared_in_mtp:
-                        unexpected.append(key)
-                        continue
-                    full = tuple(f.get_slice(key).get_shape())
-                    kind = shard_kind(name)
-                    try:
-                        index = shard_slices(kind, full, tp)
-                    except ValueError:
-                        index = None   # not divisible: reported as a wrong shape below
-                    expected = _full_shape(kind, tuple(params[name].shape), tp, cfg.vocab_size)
-                    if full != expected:
-                        bad_shape.append(f"{key}: checkpoint {full}, model {expected}")
-                        loaded.add(name)   # reported once, as wrongly shaped
-                        continue
-                    if quantization == "fp8" and keeps_fp8(name):
-                        w = _read_fp8(f, key, keys, index, cfg, stats, device)
-                        if w is not None:
-                            set_fp8(owners[name], w)
-                            loaded.add(name)
-                            continue
-                    wanted = torch.float32 if ".mlp.gate." in name else dtype
-                    t = _read_slice(f, key, keys, index, cfg, stats).to(device=device, dtype=wanted)
-                    if kind == "vocab" and t.shape[0] < params[name].shape[0]:   # the last rank's padding rows
-                        t = torch.cat([t, t.new_zeros(params[name].shape[0] - t.shape[0], *t.shape[1:])])
-                    if name in shared_in_mtp:
-                        mtp_copies[name] = t   # decided below, once the main model's copy is loaded
-                        continue
-                    _set_param(owners[name], name.rsplit(".", 1)[1], t)
+        for f, key, keys in _checkpoint_tensors(path, stats):
+            if key.endswith("weight_scale_inv") or key.endswith("rotary_emb.inv_freq"):
+                continue
+            name = our_name(key, cfg.num_hidden_layers)
+            if name not in params and name not in shared_in_mtp:
+                unexpected.append(key)
+                continue
+            full = tuple(f.get_slice(key).get_shape())
+            kind = shard_kind(name)
+            try:
+                index = shard_slices(kind, full, tp)
+            except ValueError:
+                index = None   # not divisible: reported as a wrong shape below
+            expected = _full_shape(kind, tuple(params[name].shape), tp, cfg.vocab_size)
+            if full != expected:
+                bad_shape.append(f"{key}: checkpoint {full}, model {expected}")
+                loaded.add(name)   # reported once, as wrongly shaped
+                continue
+            if quantization == "fp8" and keeps_fp8(name):
+                w = _read_fp8(f, key, keys, index, cfg, stats, device)
+                if w is not None:
+                    set_fp8(owners[name], w)
                     loaded.add(name)
+                    continue
+            wanted = torch.float32 if ".mlp.gate." in name else dtype
+            # (a copy: safetensors hands out views of the memory-mapped file; the slice gets memory of
+            # its own and only its pages of the file are ever touched)
+            t = _read_slice(f, key, keys, index, cfg, stats).to(device=device, dtype=wanted, copy=True)
+            if kind == "vocab" and t.shape[0] < params[name].shape[0]:   # the last rank's padding rows
+                t = torch.cat([t, t.new_zeros(params[name].shape[0] - t.shape[0], *t.shape[1:])])
+            if name in shared_in_mtp:
+                mtp_copies[name] = t   # decided below, once the main model's copy is loaded
+                continue
+            _set_param(owners[name], name.rsplit(".", 1)[1], t)
+            loaded.add(name)
         missing = sorted(hf_name(n, cfg.num_hidden_layers) for n in set(params) - loaded - optional)
         if missing or unexpected or bad_shape:
             lines = [f"missing: {missing}"] * bool(missing) + [f"unexpected: {sorted(unexpected)}"] * bool(unexpected)
