@@ -77,7 +77,7 @@ def engine_kwargs(args) -> dict:
 
 def run_generate(args) -> None:
     from mtpserve import LLM, SamplingParams
-    from mtpserve.engine.engine import engine_config, run_non_front_ranks
+    from mtpserve.engine.setup import engine_config, run_non_front_ranks
     if run_non_front_ranks(engine_config(**engine_kwargs(args))):
         return   # this node's ranks served the front until it stopped
     llm = LLM(**engine_kwargs(args))

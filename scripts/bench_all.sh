@@ -47,4 +47,5 @@ done
 $B report --results $R/latency_b1_float32.json $R/latency_b1_bfloat16.json $R/latency_b1_ngram.json $R/latency.json $R/peers.json \
   $R/peers_graph.json $R/peers_graph_bf16.json $R/throughput_no_mtp.json \
   $R/throughput_mtp_k2.json $R/serve_none_c{1,4,16}.json $R/serve_mtp_k2_c{1,4,16}.json $R/roofline.json $R/latency_synthetic_300m.json \
+  $R/parallel_300m_bf16.json $R/parallel_300m_fp8.json $R/parallel_default_mtp_k1.json \
   --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md

@@ -76,7 +76,8 @@ def ckpt(tmp_path_factory):
     return trained_checkpoint(tmp_path_factory.mktemp("tp") / "m", num_mtp_layers=2)
 
 
-PROMPTS = [[5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [20, 21, 22], [3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36]]
+PROMPTS = [[5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [20, 21, 22], [3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36],
+           [40, 38, 36, 34]]
 
 
 def run(llm, params):
@@ -84,8 +85,10 @@ def run(llm, params):
     return [o.outputs[0].token_ids for o in outs], llm.get_metrics()
 
 
+# greedy, two seeded samplers (their own generators), one unseeded sampler (the engine's generator, seeded alike
+# on every rank)
 MIXED = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.8, seed=11, max_tokens=40),
-         SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=40)]
+         SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=40), SamplingParams(temperature=0.7, max_tokens=40)]
 
 
 @pytest.mark.parametrize("kw", [
@@ -167,6 +170,24 @@ def test_killed_worker_fails_requests_within_seconds(ckpt):
             llm.generate(prompt_token_ids=[[3, 4]], use_tqdm=False)
     finally:
         llm.engine.shutdown()
+
+
+def test_a_worker_that_fails_reports_why_then_exits(tmp_path):
+    """What the front names when a worker raises: the worker's own report (here its checkpoint is gone)."""
+    import torch.multiprocessing as mp
+    from mtpserve.engine.setup import engine_config, engine_setup
+    from mtpserve.executor.worker import worker_process
+    path = write_random_checkpoint(str(tmp_path / "m"))
+    setup = engine_setup(engine_config(model=path))   # one rank: no rendezvous, straight to loading
+    os.remove(os.path.join(path, "model.safetensors"))
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    worker = ctx.Process(target=worker_process, args=(setup, 0, errors))
+    worker.start()
+    STARTED.append(worker.pid)
+    rank, why = errors.get(timeout=120)
+    worker.join(timeout=30)
+    assert rank == 0 and "model.safetensors" in why and worker.exitcode == 1
 
 
 def test_bad_tensor_parallel_size_is_refused_before_starting(tmp_path):

@@ -44,6 +44,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     tp = sub.add_parser("throughput", help="many prompts offline: tokens/s and requests/s")
     _common(tp, 32, 64)
     tp.add_argument("--max-num-seqs", type=int, default=64)
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (worker processes)")
     sv = sub.add_parser("serve", help="concurrent streaming clients against a running `mtpserve serve`")
     _common(sv, 32, 64)
     sv.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
@@ -134,7 +135,8 @@ def _latency(args, path: str) -> dict:
 def _throughput(args, path: str) -> dict:
     from mtpserve.bench import throughput
     res = throughput.run_throughput(path, args.speculative_config, args.num_prompts, args.input_len,
-                                    args.output_len, args.max_num_seqs, args.enforce_eager, args.dtype)
+                                    args.output_len, args.max_num_seqs, args.enforce_eager, args.dtype,
+                                    args.tensor_parallel_size)
     print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['output_tokens_per_s']:.1f} output tokens/s, "
           f"{res['total_tokens_per_s']:.1f} total tokens/s ({res['num_prompts']} prompts in {res['elapsed_s']:.2f}s)")
     return res

@@ -25,6 +25,15 @@ def _time_allreduce(rank: int, port: int, shapes: list, dtype: torch.dtype, iter
             dist.all_reduce(x)
             times.append(time.perf_counter() - start)
         result[str(list(shape))] = common.summarize(times)
+    # the front's hand-off of a step to the workers: a decode step of 32 requests with 64 KV blocks each
+    from mtpserve.executor.step_sync import ScheduledItem, StepMessage, receive_step, send_step
+    step = StepMessage([ScheduledItem(str(i), 1000, 1, [7], list(range(64)), [5]) for i in range(32)], [])
+    times = []
+    for _ in range(iters + 10):
+        start = time.perf_counter()
+        send_step(None, step) if rank == 0 else receive_step(None)
+        times.append(time.perf_counter() - start)
+    result["step hand-off (32 requests)"] = common.summarize(times[10:])
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()

@@ -171,8 +171,8 @@ def parallel_table(rec: dict) -> list[str]:
         cells = [_f(c["rows"][i]["tpot_ms"]["median"]) for c in r["configs"]]
         cells += [_f(c["rows"][i]["output_tokens_per_s"], "{:.1f}") for c in r["configs"]]
         out.append(f"| {row['batch_size']} | " + " | ".join(cells) + " |")
-    out += ["", "All-reduce between 2 processes (gloo, loopback, one thread each), as a TP=2 step makes twice per "
-                "layer: " + ", ".join(f"{shape}: {s['median']:.3f} ms median" for shape, s in r["allreduce_ms"].items())
+    out += ["", "Between 2 processes (gloo, loopback, one thread each): all-reduces of [batch, hidden] (a TP=2 step "
+                "makes two per layer) and the front's step hand-off (broadcast_object_list): " + ", ".join(f"{shape}: {s['median']:.3f} ms median" for shape, s in r["allreduce_ms"].items())
             + "."]
     return out
 

@@ -6,19 +6,23 @@ from mtpserve.bench import common, latency, peers, roofline
 
 
 def run_throughput(model: str, spec: dict | None, num_prompts: int, input_len: int, output_len: int,
-                   max_num_seqs: int, enforce_eager: bool, dtype: str = "auto") -> dict:
-    eng = latency.build_engine(model, spec, max_num_seqs, input_len + output_len, enforce_eager, dtype)
-    prompts = common.make_prompts(num_prompts, input_len, eng.model_config.vocab_size, eng.tokenizer)
-    latency.run_batch(eng, prompts[:2], min(8, output_len), tag="w")
-    start = time.perf_counter()
-    r = latency.run_batch(eng, prompts, output_len, tag="t")
-    elapsed = time.perf_counter() - start
+                   max_num_seqs: int, enforce_eager: bool, dtype: str = "auto", tensor_parallel_size: int = 1) -> dict:
+    eng = latency.build_engine(model, spec, max_num_seqs, input_len + output_len, enforce_eager, dtype,
+                               tensor_parallel_size=tensor_parallel_size)
+    try:
+        prompts = common.make_prompts(num_prompts, input_len, eng.model_config.vocab_size, eng.tokenizer)
+        latency.run_batch(eng, prompts[:2], min(8, output_len), tag="w")
+        start = time.perf_counter()
+        r = latency.run_batch(eng, prompts, output_len, tag="t")
+        elapsed = time.perf_counter() - start
+    finally:
+        eng.shutdown()
     n_out = r["num_output_tokens"]
     mc = eng.model_config
     kv_per_token = (mc.num_hidden_layers + mc.num_nextn_predict_layers) * mc.kv_cache_dim * eng.dtype.itemsize
     kv_alloc = sum(t.numel() * t.element_size() for t in eng.runner.kv_caches)
     weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
-    return dict(kv_cache_bytes_per_token=kv_per_token, kv_cache_allocated_bytes=kv_alloc, weight_bytes=weights,
+    return dict(tensor_parallel_size=tensor_parallel_size, kv_cache_bytes_per_token=kv_per_token, kv_cache_allocated_bytes=kv_alloc, weight_bytes=weights,
                 num_prompts=num_prompts, elapsed_s=elapsed, requests_per_s=num_prompts / elapsed,
                 output_tokens_per_s=n_out / elapsed, total_tokens_per_s=(n_out + num_prompts * input_len) / elapsed,
                 num_output_tokens=n_out, spec=r["spec"], peak_rss_bytes=common.peak_rss_bytes())
@@ -26,7 +30,7 @@ def run_throughput(model: str, spec: dict | None, num_prompts: int, input_len: i
 
 def base_dtype(name: str):
     """Our --dtype name as a torch dtype for transformers (as ours resolves it on the CPU)."""
-    from mtpserve.engine.engine import resolve_device_dtype
+    from mtpserve.engine.setup import resolve_device_dtype
     return resolve_device_dtype("cpu", name)[1]
 
 

@@ -9,7 +9,6 @@ sent: each rank computed the same ones itself.
 """
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from mtpserve.engine.request import Request, seeded_generator

@@ -227,7 +227,7 @@ def run_server(args) -> None:
     import uvicorn
 
     from mtpserve.engine.async_engine import AsyncEngine
-    from mtpserve.engine.engine import engine_config, run_non_front_ranks
+    from mtpserve.engine.setup import engine_config, run_non_front_ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if run_non_front_ranks(engine_config(**engine_kwargs(args))):
         return   # a node after the first: its ranks served node 0's engine until it stopped

@@ -1,0 +1,95 @@
+"""From an EngineConfig to what every rank needs (RankSetup): checks, device, dtype, quantization, where the
+ranks run; and, in a process that is not the front (another node, a torchrun rank), running its ranks."""
+import os
+
+import torch
+
+from mtpserve.config import EngineConfig, ModelConfig, SpeculativeConfig, check_int_in_range
+from mtpserve.distributed.launch import Launch, check_devices, end_processes
+from mtpserve.executor.worker import RankSetup, run_rank, worker_process
+from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from mtpserve.model.parallel import TensorParallel
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dtype not in names:
+        raise ValueError(f"dtype = {dtype!r}: must be one of 'auto', {sorted(names)}")
+    return dev, names[dtype]
+
+
+def engine_setup(cfg: EngineConfig) -> RankSetup:
+    """Checks the configuration and resolves what every rank needs (the front and every worker)."""
+    from mtpserve import default_model_path
+    path = cfg.model or default_model_path()
+    model_config = ModelConfig.from_pretrained(path)
+    spec = cfg.speculative
+    if spec is not None and spec.method == "mtp" and model_config.num_nextn_predict_layers == 0:
+        raise ValueError("speculative_config: method 'mtp' needs a checkpoint with MTP layers "
+                         "(num_nextn_predict_layers = 0 in its config.json)")
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    limit = model_config.max_position_embeddings
+    if cfg.max_model_len is not None and cfg.max_model_len > limit:
+        raise ValueError(f"max_model_len = {cfg.max_model_len}: above the model's max_position_embeddings {limit}")
+    k = spec.num_speculative_tokens if spec else 0
+    if cfg.max_num_batched_tokens < 1 + k:
+        raise ValueError(f"max_num_batched_tokens = {cfg.max_num_batched_tokens}: must be at least "
+                         f"1 + num_speculative_tokens = {1 + k}")
+    # MTP passes 1..k-1 write up to k-1 slots past the verified ones (n-gram drafting writes none)
+    lookahead = k if spec is not None and spec.method == "mtp" else 0
+    check_int_in_range("tensor_parallel_size", cfg.tensor_parallel_size, 1, None)
+    launch = Launch.from_torchrun_env(cfg.tensor_parallel_size) or Launch(
+        cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
+    launch.validate()
+    if launch.world_size > 1:
+        check_devices(device.type, launch)
+        with torch.device("meta"):   # a shard that does not divide is refused here, before any process starts
+            DeepseekV3ForCausalLM(model_config, TensorParallel(0, launch.world_size))
+    # slots past the last token a step may need: the pending token, k drafts and the lookahead
+    return RankSetup(cfg, path, model_config, device.type, dtype, min(cfg.max_model_len or limit, limit),
+                     lookahead, k + 1 + lookahead, launch, resolve_quantization(cfg.quantization, model_config))
+
+
+def resolve_quantization(asked: str | None, model_config: ModelConfig) -> str | None:
+    """None follows the checkpoint (an FP8 checkpoint stays FP8 in memory, as in vLLM); "none" dequantizes it;
+    "fp8" also quantizes an unquantized checkpoint's linear weights as it loads."""
+    if asked not in (None, "fp8", "none"):
+        raise ValueError(f"quantization = {asked!r}: must be 'fp8', 'none' or None (the checkpoint's)")
+    if asked is None:
+        return "fp8" if model_config.quantization_config else None
+    return None if asked == "none" else asked
+
+
+def engine_config(model: str | None = None, speculative_config: dict | None = None, **kwargs) -> EngineConfig:
+    return EngineConfig(model=model, speculative=SpeculativeConfig.from_dict(speculative_config), **kwargs)
+
+
+def is_front(launch: Launch) -> bool:
+    """The process that holds rank 0 (scheduler, server); under torchrun, the one torchrun made rank 0."""
+    return int(os.environ.get("RANK", 0)) == 0 if launch.external else launch.node_rank == 0
+
+
+def run_non_front_ranks(cfg: EngineConfig) -> bool:
+    """In a process other than the front (a node after the first, or a torchrun process other than rank 0),
+    runs this process's ranks until the front stops them and returns True; in the front, returns False."""
+    setup = engine_setup(cfg)
+    launch = setup.launch
+    if is_front(launch):
+        return False
+    if launch.external:
+        run_rank(setup, int(os.environ["RANK"]))
+        return True
+    ctx = torch.multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    others = [ctx.Process(target=worker_process, args=(setup, rank, errors)) for rank in launch.local_ranks()[1:]]
+    for p in others:
+        p.start()
+    try:
+        run_rank(setup, launch.local_ranks()[0])
+    finally:
+        end_processes(others, timeout=30)
+    return True
