@@ -79,7 +79,9 @@ async def start_requests(async_engine, request_id: str, prompts: list, params: l
         if isinstance(e, QueueFullError):
             raise APIError(str(e), status=503, type="service_unavailable_error", code="queue_full",
                            headers={"Retry-After": "1"})
-        if isinstance(e, (EngineError, EngineDeadError)):
+        if isinstance(e, EngineDeadError):   # nothing will serve this request: the client should go elsewhere
+            raise APIError(str(e), status=503, type="service_unavailable_error", code="engine_dead")
+        if isinstance(e, EngineError):
             raise APIError(str(e), status=500, type="internal_server_error")
         raise
     return streams
