@@ -33,9 +33,14 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    """Tensor parallelism and multi-node flags (vLLM's / torchrun's names), shared by generate, serve, bench."""
+    """Tensor / data / expert parallelism and multi-node flags (vLLM's / torchrun's names), shared by generate,
+    serve, bench."""
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks, one process each (spawned here; or started by torchrun)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="data-parallel ranks (engine cores: own scheduler and KV cache each), one process each")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="routed experts partitioned over all ranks (tokens dispatched to their experts' ranks)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are split over (run the same command on each)")
     p.add_argument("--node-rank", type=int, default=0, help="this node (0 runs the engine and the server)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous)")
@@ -43,7 +48,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def parallel_kwargs(args) -> dict:
-    return dict(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+    return dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                enable_expert_parallel=args.enable_expert_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
                 master_addr=args.master_addr, master_port=args.master_port)
 
 

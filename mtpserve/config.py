@@ -206,6 +206,8 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1             # ranks, one process each (model/parallel.py, executor/)
+    data_parallel_size: int = 1               # engine cores (scheduler + KV cache each), one rank each
+    enable_expert_parallel: bool = False      # routed experts partitioned over all ranks (not split by TP)
     nnodes: int = 1                           # multi-node: the ranks are split evenly over the nodes
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

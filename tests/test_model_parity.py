@@ -274,7 +274,7 @@ def test_fused_for_inference_equals_unfused(name, tmp_path):
                 assert max_diff(plain.mtp_logits(0, m_plain), fused.mtp_logits(0, m_fused)) < TOL
     moe = [m for m in fused.modules() if type(m).__name__ == "MoE"]
     for m in moe:   # the experts' parameters are views of the stacked tensors, not copies
-        assert m.experts[0].gate_proj.weight.data_ptr() == m.w13.data_ptr()
+        assert m.experts["0"].gate_proj.weight.data_ptr() == m.w13.data_ptr()
 
 
 @pytest.mark.parametrize("num_tokens, experts", [(1, 8), (2, 3), (3, 8), (20, 8)])

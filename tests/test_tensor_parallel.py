@@ -194,7 +194,7 @@ def test_bad_tensor_parallel_size_is_refused_before_starting(tmp_path):
     path = write_random_checkpoint(str(tmp_path / "m"), num_attention_heads=3)
     with pytest.raises(ValueError, match="tensor_parallel_size = 2: must divide num_attention_heads = 3"):
         LLM(model=path, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size = 64: .* CPU cores"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size x data_parallel_size = 64: .* CPU cores"):
         LLM(model=path, tensor_parallel_size=64)
 
 

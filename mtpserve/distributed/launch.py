@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mtpserve.model.parallel import TensorParallel
 
 # A collective that waits longer than this means a rank is stuck (a dead rank is noticed at once: gloo and
 # NCCL see its sockets close). Start-up compiles graphs on every rank, so it is generous.
@@ -27,7 +26,7 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 @dataclass
 class Launch:
-    """Where the ranks of one engine run. world_size = tensor_parallel_size."""
+    """Where the ranks of one engine run. world_size = tensor_parallel_size x data_parallel_size."""
     world_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -45,7 +44,8 @@ class Launch:
 
     def validate(self) -> None:
         if self.nnodes < 1 or self.world_size % self.nnodes:
-            raise ValueError(f"nnodes = {self.nnodes}: must divide tensor_parallel_size = {self.world_size}")
+            raise ValueError(f"nnodes = {self.nnodes}: must divide the {self.world_size} ranks "
+                             "(tensor_parallel_size x data_parallel_size)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank = {self.node_rank}: must be in [0, nnodes = {self.nnodes})")
         if self.nnodes > 1 and self.master_port is None:
@@ -58,7 +58,8 @@ class Launch:
             return None
         world = int(os.environ["WORLD_SIZE"])
         if world != world_size:
-            raise ValueError(f"tensor_parallel_size = {world_size}: torchrun started WORLD_SIZE = {world} processes")
+            raise ValueError(f"tensor_parallel_size x data_parallel_size = {world_size}: torchrun started "
+                             f"WORLD_SIZE = {world} processes")
         per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         return cls(world, world // per_node, int(os.environ["RANK"]) // per_node, os.environ["MASTER_ADDR"],
                    int(os.environ["MASTER_PORT"]), external=True)
@@ -82,13 +83,13 @@ def check_devices(device_type: str, launch: Launch) -> None:
     have = torch.cuda.device_count() if device_type == "cuda" else os.cpu_count() or 1
     what = "CUDA devices" if device_type == "cuda" else "CPU cores"
     if per_node > have:
-        raise ValueError(f"tensor_parallel_size = {launch.world_size}: {per_node} ranks on this node, but it "
-                         f"has {have} {what}")
+        raise ValueError(f"tensor_parallel_size x data_parallel_size = {launch.world_size}: {per_node} ranks on "
+                         f"this node, but it has {have} {what}")
 
 
-def join(rank: int, launch: Launch, device: torch.device) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """Joins the process group as `rank` (env:// rendezvous); returns the tensor-parallel group and the
-    control group (gloo) the front hands each step over."""
+def join(rank: int, launch: Launch, device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Joins the process group as `rank` (env:// rendezvous); returns the group of all ranks (the model's
+    collectives) and the control group (gloo) the front hands each step over."""
     os.environ.update(MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port),
                       RANK=str(rank), WORLD_SIZE=str(launch.world_size))
     if dist.is_initialized():
@@ -100,7 +101,7 @@ def join(rank: int, launch: Launch, device: torch.device) -> tuple[TensorParalle
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=launch.world_size,
                             timeout=collective_timeout())
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TensorParallel(rank, launch.world_size, dist.group.WORLD), control
+    return dist.group.WORLD, control
 
 
 def end_processes(processes, timeout: float) -> None:

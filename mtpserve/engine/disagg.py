@@ -31,6 +31,9 @@ class PrefillHandoff:
 
 
 def single_process(engine: LLMEngine) -> None:
+    if engine.config.data_parallel_size != 1:
+        raise ValueError(f"data_parallel_size = {engine.config.data_parallel_size}: in-process disaggregation "
+                         "moves one process's KV cache; use data_parallel_size = 1")
     if engine.config.tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size = {engine.config.tensor_parallel_size}: in-process disaggregation "
                          "moves one process's KV cache; use tensor_parallel_size = 1")

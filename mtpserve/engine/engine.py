@@ -5,6 +5,7 @@ import time
 
 from mtpserve.config import EngineConfig
 from mtpserve.engine.detokenizer import detokenize_incrementally
+from mtpserve.engine.dp_scheduler import DataParallelScheduler
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, seeded_generator
 from mtpserve.engine.scheduler import Scheduler
@@ -41,9 +42,10 @@ class LLMEngine:
         self.runner = self.executor.runner          # this process's rank (rank 0)
         self.model = self.runner.model
         self.device, self.dtype = self.runner.device, setup.dtype
-        self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.num_lookahead_slots)
+        cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size), cfg.max_num_seqs,
+                           cfg.max_num_batched_tokens, self.num_lookahead_slots) for _ in range(cfg.data_parallel_size)]
+        self.scheduler = cores[0] if len(cores) == 1 else DataParallelScheduler(cores)
+        self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)
         self.use_graphs = self.runner.graphs is not None
         self.graph_warmup_seconds = self.runner.graphs.compile_seconds if self.use_graphs else 0.0
         if self.use_graphs:
@@ -72,9 +74,13 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, data_parallel_rank: int | None = None) -> None:
+        """data_parallel_rank: the rank to run it on (default: the least loaded)."""
         if request_id in self.children:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        dp = self.config.data_parallel_size
+        if data_parallel_rank is not None and not (isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < dp):
+            raise ValueError(f"data_parallel_rank = {data_parallel_rank!r}: must be in [0, data_parallel_size = {dp})")
         token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         room = self.max_model_len - len(token_ids)
         if room <= 0:
@@ -93,7 +99,10 @@ class LLMEngine:
             req = Request(child_id, prompt, list(token_ids), params, params.max_tokens or room, gen, i, request_id)
             children.append(req)
             self.requests[child_id] = req
-            self.scheduler.add(req)
+            if dp > 1:
+                self.scheduler.add(req, data_parallel_rank)
+            else:
+                self.scheduler.add(req)
         self.children[request_id] = children
 
     def _prompt_tokens(self, prompt, prompt_token_ids) -> list[int]:
@@ -199,6 +208,13 @@ class LLMEngine:
         return self.spec_metrics.as_dict() if self.spec_metrics else SpecDecodeMetrics(0).as_dict()
 
     def get_stats(self) -> dict:
-        bm = self.block_manager
-        return dict(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                    kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks)
+        cores = self.scheduler.cores if isinstance(self.scheduler, DataParallelScheduler) else [self.scheduler]
+        per_rank = [dict(rank=i, num_running=len(c.running), num_waiting=len(c.waiting), kv_usage=c.block_manager.usage,
+                         num_free_blocks=c.block_manager.num_free_blocks, num_total_blocks=c.block_manager.num_blocks)
+                    for i, c in enumerate(cores)]
+        stats = {key: sum(r[key] for r in per_rank)
+                 for key in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks")}
+        stats["kv_usage"] = 1.0 - stats["num_free_blocks"] / stats["num_total_blocks"]
+        if len(cores) > 1:
+            stats["data_parallel_ranks"] = per_rank
+        return stats

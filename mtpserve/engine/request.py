@@ -45,6 +45,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    dp_rank: int = 0                                 # the data-parallel rank (engine core) that runs it
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

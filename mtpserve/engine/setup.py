@@ -8,7 +8,7 @@ from mtpserve.config import EngineConfig, ModelConfig, SpeculativeConfig, check_
 from mtpserve.distributed.launch import Launch, check_devices, end_processes
 from mtpserve.executor.worker import RankSetup, run_rank, worker_process
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
-from mtpserve.model.parallel import TensorParallel
+from mtpserve.model.parallel import parallel_layout
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -42,13 +42,15 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
     # MTP passes 1..k-1 write up to k-1 slots past the verified ones (n-gram drafting writes none)
     lookahead = k if spec is not None and spec.method == "mtp" else 0
     check_int_in_range("tensor_parallel_size", cfg.tensor_parallel_size, 1, None)
-    launch = Launch.from_torchrun_env(cfg.tensor_parallel_size) or Launch(
-        cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
+    check_int_in_range("data_parallel_size", cfg.data_parallel_size, 1, None)
+    tp, ep = parallel_layout(cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.enable_expert_parallel)
+    launch = Launch.from_torchrun_env(tp.size * cfg.data_parallel_size) or Launch(
+        tp.size * cfg.data_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
     launch.validate()
     if launch.world_size > 1:
         check_devices(device.type, launch)
         with torch.device("meta"):   # a shard that does not divide is refused here, before any process starts
-            DeepseekV3ForCausalLM(model_config, TensorParallel(0, launch.world_size))
+            DeepseekV3ForCausalLM(model_config, tp, ep)
     # slots past the last token a step may need: the pending token, k drafts and the lookahead
     return RankSetup(cfg, path, model_config, device.type, dtype, min(cfg.max_model_len or limit, limit),
                      lookahead, k + 1 + lookahead, launch, resolve_quantization(cfg.quantization, model_config))

@@ -1,6 +1,7 @@
-"""Tensor-parallel ranks in worker processes: the front (this process) is rank 0 and runs its own shard; it
-spawns this node's other ranks (torch.multiprocessing, spawn) unless torchrun started them, and before each
-step broadcasts the batch to every rank (executor/step_sync.py), then runs the step with them.
+"""Ranks in worker processes: the front (this process) is rank 0 and runs its own shard; it spawns this
+node's other ranks (torch.multiprocessing, spawn) unless torchrun started them, and before each step
+broadcasts the batch to every rank (executor/step_sync.py), then runs the step with them. Tensor-parallel
+ranks all run the same batch; data-parallel ranks each run their own part and send their results back.
 
 A failed rank fails the engine, never hangs it: a worker that raises reports why and exits, a worker that dies
 closes its sockets, and either way the front's next collective raises. The executor then names the rank and
@@ -13,7 +14,7 @@ import queue
 import torch.multiprocessing as mp
 
 from mtpserve.distributed.launch import end_processes, free_port, leave
-from mtpserve.executor.step_sync import StepSender, send_step
+from mtpserve.executor.step_sync import PASS_COUNTS, StepSender, gather_to_front, send_step
 from mtpserve.executor.worker import RankSetup, build_rank, worker_process
 
 logger = logging.getLogger("mtpserve")
@@ -33,7 +34,10 @@ class MultiProcExecutor:
         self.failure: str | None = None
         self.closed = False
         self.control = None
+        self.data_parallel_size = setup.config.data_parallel_size
+        self.world_size = launch.world_size
         self.sender = StepSender()
+        self.senders = [StepSender() for _ in range(self.data_parallel_size)]   # (data parallel: one per rank)
         self.workers = []
         if not launch.external:
             for rank in launch.local_ranks()[1:]:
@@ -48,17 +52,35 @@ class MultiProcExecutor:
             raise WorkerFailedError(f"start-up failed: {self.failure}") from e
         self.runner, self.num_blocks, self.control, self.rank_stats = (built.runner, built.num_blocks, built.control,
                                                                         built.rank_stats)
-        logger.info("tensor parallel: %d ranks (%d worker processes started here)", launch.world_size,
-                    len(self.workers))
+        logger.info("%d ranks (tensor parallel %d, data parallel %d; %d worker processes started here)",
+                    launch.world_size, setup.config.tensor_parallel_size, self.data_parallel_size, len(self.workers))
 
     def execute(self, scheduled):
         self.check_health()
         try:
-            send_step(self.control, self.sender.message(scheduled))
-            return self.runner.execute(scheduled)
+            if self.data_parallel_size == 1:
+                send_step(self.control, self.sender.message(scheduled))
+                return self.runner.execute(scheduled)
+            return self._execute_data_parallel(scheduled)
         except Exception as e:
             self._fail(e)
-            raise WorkerFailedError(f"tensor-parallel step failed: {self.failure}") from e
+            raise WorkerFailedError(f"parallel step failed: {self.failure}") from e
+
+    def _execute_data_parallel(self, scheduled):
+        """Each rank its own requests (an idle rank a dummy step); the results come back in `scheduled`'s order."""
+        parts = [[] for _ in self.senders]
+        for s in scheduled:
+            parts[s.req.dp_rank].append(s)
+        send_step(self.control, [sender.message(part) for sender, part in zip(self.senders, parts)])
+        every = gather_to_front(self.control, len(self.senders), self.runner.execute(parts[0]))
+        returned = [iter(results) for results in every]
+        return [next(returned[s.req.dp_rank]) for s in scheduled]
+
+    def pass_counts(self) -> list[dict]:
+        """Every rank's forward counts (ModelRunner.pass_counts), rank 0 first."""
+        self.check_health()
+        send_step(self.control, PASS_COUNTS)
+        return gather_to_front(self.control, self.world_size, dict(self.runner.pass_counts))
 
     def check_health(self) -> None:
         """Raises WorkerFailedError if a rank has failed (also noticed while idle: a worker that exited)."""
@@ -83,7 +105,7 @@ class MultiProcExecutor:
             dead = [f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                     for rank, p in self.workers if p.exitcode is not None]
             self.failure = "; ".join(dead) or f"{type(error).__name__}: {error}"
-        logger.error("tensor-parallel engine failed: %s", self.failure)
+        logger.error("parallel engine failed: %s", self.failure)
         self._stop_workers(graceful=False)
 
     def shutdown(self) -> None:

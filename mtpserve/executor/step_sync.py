@@ -6,7 +6,12 @@ alike and drawn in the same order (the engine's, and each seeded request's). A w
 what its runner reads: each scheduled request's position, drafts, block table, the tokens it has not seen yet
 (new prompts; tokens the front appended), and, once, its sampling parameters. Draft distributions are never
 sent: each rank computed the same ones itself.
+
+Under data parallelism each rank runs its own requests: the front sends every rank the message for its
+part of the step (one list, a message per rank), and gathers each rank's results back (their draft
+distributions stay with the rank that drew them).
 """
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -87,12 +92,28 @@ class RequestMirror:
                 s.req.draft_probs = r.next_draft_probs
 
 
-def send_step(control, message: StepMessage | None) -> None:
-    """Front: hands the step (None: stop) to every worker."""
+PASS_COUNTS = "pass_counts"   # a message asking every rank for its runner's forward counts
+
+
+def send_step(control, message) -> None:
+    """Front: hands the step (a StepMessage; under data parallelism a list, one per rank; None: stop; or
+    PASS_COUNTS) to every worker."""
     dist.broadcast_object_list([message], src=0, group=control)
 
 
-def receive_step(control) -> StepMessage | None:
+def receive_step(control):
     box = [None]
     dist.broadcast_object_list(box, src=0, group=control)
     return box[0]
+
+
+def gather_to_front(control, world_size: int, mine) -> list | None:
+    """Every rank's `mine` on the front (rank 0), rank 0's first; None elsewhere."""
+    every = [None] * world_size if dist.get_rank(control) == 0 else None
+    dist.gather_object(mine, every, dst=0, group=control)
+    return every
+
+
+def without_draft_probs(results) -> list:
+    """Results as the front needs them from another data-parallel rank (the rank keeps its distributions)."""
+    return [dataclasses.replace(r, next_draft_probs=None) for r in results]

@@ -10,6 +10,9 @@ class UniProcExecutor:
     def execute(self, scheduled):
         return self.runner.execute(scheduled)
 
+    def pass_counts(self) -> list[dict]:
+        return [dict(self.runner.pass_counts)]
+
     def check_health(self) -> None:
         pass
 

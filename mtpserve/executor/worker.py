@@ -11,9 +11,11 @@ import torch.distributed as dist
 
 from mtpserve.config import EngineConfig, ModelConfig
 from mtpserve.distributed.launch import Launch, join, leave, rank_device
-from mtpserve.executor.step_sync import RequestMirror, receive_step
+from mtpserve.executor.step_sync import (PASS_COUNTS, RequestMirror, gather_to_front, receive_step,
+                                         without_draft_probs)
 from mtpserve.model.loader import LoadStats, load_model
-from mtpserve.model.parallel import TensorParallel
+from mtpserve.model.parallel import parallel_layout
+from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.model_runner import ModelRunner, num_mtp_caches
 from mtpserve.spec.draft_vocab import load_draft_vocab
 
@@ -84,7 +86,8 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
     device = rank_device(setup.device_type, rank, launch)
     if device.type == "cpu" and launch.world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.ranks_per_node))
-    tp, control = (TensorParallel(), None) if launch.world_size == 1 else join(rank, launch, device)
+    group, control = (None, None) if launch.world_size == 1 else join(rank, launch, device)
+    tp, ep = parallel_layout(cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.enable_expert_parallel, rank, group)
     num_blocks = cfg.num_kv_blocks or kv_blocks_from_memory(setup, device)
     if control is not None:
         agreed = torch.tensor([num_blocks])
@@ -92,7 +95,7 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
         num_blocks = int(agreed)
     stats, rss_before, start = LoadStats(), rss_bytes(), time.perf_counter()
     model = load_model(setup.path, setup.dtype, device, setup.model_config, tp, stats,
-                       setup.quantization).eval().fuse_for_inference()
+                       setup.quantization, ep).eval().fuse_for_inference()
     load_seconds, load_rss_rise = time.perf_counter() - start, max(0, peak_rss_bytes() - rss_before)
     spec = cfg.speculative
     if spec is not None and spec.draft_vocab_size is not None:
@@ -102,8 +105,13 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
             logger.info("draft vocabulary: the %d most frequent of %d tokens (%.1f%% of the counted tokens)",
                         len(ids), setup.model_config.vocab_size, 100 * coverage)
     use_graphs = not (cfg.enforce_eager if cfg.enforce_eager is not None else device.type != "cuda")
-    runner = ModelRunner(model, num_blocks, cfg.block_size, spec, device, setup.dtype, cfg.seed,
-                         cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot)
+    dp = None
+    if ep is not None and ep.dispatch:   # agreement on a gloo group (CPU tensors) whatever the device
+        dp = DataParallelSync(group if device.type == "cpu" else dist.new_group(backend="gloo"), launch.world_size)
+    seed = cfg.seed + (rank if dp is not None else 0)   # (data-parallel ranks draw for different requests)
+    runner = ModelRunner(model, num_blocks, cfg.block_size, spec, device, setup.dtype, seed,
+                         cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot,
+                         dp)
     runner.warm_up_graphs()
     summary = rank_summary(rank, runner, stats, load_rss_rise, load_seconds)
     every = [summary]
@@ -133,7 +141,15 @@ def run_rank(setup: RankSetup, rank: int) -> None:
     steps until the front says stop."""
     built = build_rank(setup, rank)
     mirror = RequestMirror(built.runner.device)
+    data_parallel = setup.config.data_parallel_size > 1
+    world = setup.launch.world_size
     while (message := receive_step(built.control)) is not None:
-        scheduled = mirror.apply(message)
-        mirror.record(scheduled, built.runner.execute(scheduled))
+        if message == PASS_COUNTS:
+            gather_to_front(built.control, world, dict(built.runner.pass_counts))
+            continue
+        scheduled = mirror.apply(message[rank] if data_parallel else message)
+        results = built.runner.execute(scheduled)
+        mirror.record(scheduled, results)
+        if data_parallel:
+            gather_to_front(built.control, world, without_draft_probs(results))
     leave()

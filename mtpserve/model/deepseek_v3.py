@@ -3,7 +3,8 @@
 Parameter names follow the HF checkpoint: `model.*` and `lm_head.*` for the main model; MTP module i is
 `mtp_layers.{i}.*` here and `model.layers.{num_hidden_layers + i}.*` in a checkpoint (see loader.py).
 Under tensor parallelism (`tp`, model/parallel.py) each rank builds its shard; every block ends in one
-all-reduce per sub-layer, and logits are gathered whole on every rank.
+all-reduce per sub-layer, and logits are gathered whole on every rank. Under expert parallelism (`ep`) each
+rank builds only its routed experts.
 """
 import torch
 from torch import nn
@@ -13,16 +14,17 @@ from mtpserve.model.attention import AttentionMetadata, MLAttention, dense_metad
 from mtpserve.model.fp8 import weight_of
 from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding, linear
 from mtpserve.model.moe import MoE
-from mtpserve.model.parallel import TensorParallel, VocabParallelEmbedding
+from mtpserve.model.parallel import ExpertParallel, TensorParallel, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel,
+                 ep: ExpertParallel):
         super().__init__()
         self.tp = tp
         self.self_attn = MLAttention(cfg, rotary, tp)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, tp)
+            self.mlp = MoE(cfg, tp, ep)
         else:
             self.mlp = MLP(cfg.hidden_size, tp.divide(cfg.intermediate_size, "intermediate_size"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -44,8 +46,8 @@ class MTPLayer(DecoderLayer):
     """One MTP module: x = eh_proj([enorm(embed(t[p+1])), hnorm(h[p])]) -> decoder block -> shared head."""
 
     def __init__(self, cfg, layer_idx, rotary, embed_tokens: VocabParallelEmbedding, lm_head: nn.Linear,
-                 tp: TensorParallel):
-        super().__init__(cfg, layer_idx, rotary, tp)
+                 tp: TensorParallel, ep: ExpertParallel):
+        super().__init__(cfg, layer_idx, rotary, tp, ep)
         self.vocab_size = cfg.vocab_size
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -76,24 +78,25 @@ class MTPLayer(DecoderLayer):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, ep: ExpertParallel):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp, ep) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel(), ep: ExpertParallel | None = None):
         super().__init__()
-        self.config, self.tp = cfg, tp
+        ep = ep or ExpertParallel()
+        self.config, self.tp, self.ep = cfg, tp, ep
         self.rotary = RotaryEmbedding(cfg)
-        self.model = Backbone(cfg, self.rotary, tp)
+        self.model = Backbone(cfg, self.rotary, tp, ep)
         self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_rows(cfg.vocab_size), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp_layers = nn.ModuleList(
-            MTPLayer(cfg, cfg.num_hidden_layers + i, self.rotary, self.model.embed_tokens, self.lm_head, tp)
+            MTPLayer(cfg, cfg.num_hidden_layers + i, self.rotary, self.model.embed_tokens, self.lm_head, tp, ep)
             for i in range(cfg.num_nextn_predict_layers))
         self.draft_vocab: torch.Tensor | None = None   # token ids the MTP drafts from (None: all)
 

@@ -15,10 +15,11 @@ from mtpserve.config import ModelConfig
 from mtpserve.model.checkpoint import hf_name
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from mtpserve.model.fp8 import Fp8Weight, from_tiles, keeps_fp8, quantize_rows, set_fp8
-from mtpserve.model.parallel import TensorParallel, VocabParallelEmbedding, shard_kind, shard_slices
+from mtpserve.model.parallel import ExpertParallel, TensorParallel, VocabParallelEmbedding, shard_kind, shard_slices
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _SHARED_IN_MTP = ("embed_tokens.weight", "shared_head.head.weight")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 def our_name(key: str, num_hidden_layers: int) -> str:
@@ -136,17 +137,17 @@ def _checkpoint_tensors(path: str, stats: LoadStats):
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg: ModelConfig | None = None,
                tp: TensorParallel = TensorParallel(), stats: LoadStats | None = None,
-               quantization: str | None = None) -> DeepseekV3ForCausalLM:
-    """Builds the model (this rank's shard under tensor parallelism) on the meta device, then gives each
-    parameter its checkpoint slice in its final dtype, one tensor at a time: peak memory is the shard plus
-    one tensor. The MoE router stays float32 (routing is sensitive). quantization "fp8": linear weights stay
+               quantization: str | None = None, ep: ExpertParallel | None = None) -> DeepseekV3ForCausalLM:
+    """Builds the model (this rank's shard under tensor parallelism, its experts under expert parallelism) on
+    the meta device, then gives each parameter its checkpoint slice in its final dtype, one tensor at a time:
+    peak memory is the shard plus one tensor. The MoE router stays float32 (routing is sensitive). quantization "fp8": linear weights stay
     (or, from an unquantized checkpoint, become) FP8 in memory (model/fp8.py); None: all in `dtype`."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization = {quantization!r}: must be 'fp8' or None")
     cfg = cfg or ModelConfig.from_pretrained(path)
     stats = stats if stats is not None else LoadStats()
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(cfg, tp)
+        model = DeepseekV3ForCausalLM(cfg, tp, ep)
     params = dict(model.named_parameters(remove_duplicate=False))
     owners = {name: model.get_submodule(name.rsplit(".", 1)[0]) for name in params}
     shared_in_mtp = {n for n in params if n.startswith("mtp_layers.") and n.endswith(_SHARED_IN_MTP)}
@@ -158,10 +159,11 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg:
                 continue
             name = our_name(key, cfg.num_hidden_layers)
             if name not in params and name not in shared_in_mtp:
-                unexpected.append(key)
+                if not _other_ranks_expert(name, ep):
+                    unexpected.append(key)
                 continue
             full = tuple(f.get_slice(key).get_shape())
-            kind = shard_kind(name)
+            kind = None if _EXPERT.search(name) and model.ep.size > 1 else shard_kind(name)   # (whole experts)
             try:
                 index = shard_slices(kind, full, tp)
             except ValueError:
@@ -200,6 +202,11 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg:
     model.rotary.cos, model.rotary.sin = torch.empty(0, device=device), torch.empty(0, device=device)
     model.rotary.reset_tables()
     return model
+
+
+def _other_ranks_expert(name: str, ep: ExpertParallel | None) -> bool:
+    """Expert parallelism: a routed expert another rank holds (never read here)."""
+    return bool(_EXPERT.search(name)) and ep is not None and ep.size > 1
 
 
 def _full_shape(kind: str | None, local: tuple, tp: TensorParallel, vocab: int) -> tuple:

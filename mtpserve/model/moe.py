@@ -6,7 +6,7 @@ from torch import nn
 from mtpserve.config import ModelConfig
 from mtpserve.model.fp8 import Fp8Weight
 from mtpserve.model.layers import MLP, linear, silu_and_mul
-from mtpserve.model.parallel import TensorParallel
+from mtpserve.model.parallel import ExpertParallel, TensorParallel
 
 # Up to this many (token, expert) choices, every expert chosen runs on all the tokens: fewer ops than grouping
 # tokens by expert, and on small batches the per-op cost and the weight reads, not the FLOPs, dominate.
@@ -56,13 +56,18 @@ class Gate(nn.Module):
 
 class MoE(nn.Module):
     """Under tensor parallelism (TP-MoE) every rank holds every expert's slice of the intermediate dimension
-    and routes identically (the router is replicated): its output is a partial sum, completed by the caller."""
+    and routes identically (the router is replicated): its output is a partial sum, completed by the caller.
+    Under expert parallelism (`ep`, model/parallel.py) a rank holds whole experts, a range of them; the
+    experts are keyed by their global id, as in the checkpoint."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel(), ep: ExpertParallel = ExpertParallel()):
         super().__init__()
+        self.ep = ep
         self.gate = Gate(cfg)
         inter = tp.divide(cfg.moe_intermediate_size, "moe_intermediate_size")
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, inter) for _ in range(cfg.n_routed_experts))
+        self.local_experts = ep.experts(cfg.n_routed_experts)
+        routed_inter = cfg.moe_intermediate_size if ep.size > 1 else inter
+        self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, routed_inter) for e in self.local_experts})
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, inter * cfg.n_shared_experts)
@@ -72,29 +77,60 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        if self.ep.dispatch:
+            return out + self._dispatched(x, weights, ids)
+        if self.ep.size > 1:
+            ids = self._local_ids(ids)
+        return out + self._routed(x, weights, ids)
+
+    def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's indices; another rank's expert (or -1, padding) -> len(local)."""
+        n = len(self.local_experts)
+        local = ids - self.local_experts.start
+        return torch.where((local >= 0) & (local < n), local, n)
+
+    def _dispatched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Data-parallel attention: every rank's tokens and routing are gathered (one all-gather: the rows
+        travel in float32 with their weights and ids, all exact), this rank's experts run on the choices that
+        are theirs, and one reduce-scatter hands each rank the sum over all experts for its own tokens.
+        Padding rows (up to tokens_per_rank) choose expert -1: nobody's."""
+        n, k = ids.shape
+        pad = 0 if torch.compiler.is_compiling() else max(0, self.ep.tokens_per_rank - n)
+        packed = torch.cat([F.pad(x.float(), (0, 0, 0, pad)), F.pad(weights.float(), (0, 0, 0, pad)),
+                            F.pad(ids.float(), (0, 0, 0, pad), value=-1.0)], dim=-1)
+        rows = self.ep.gather_tokens(packed)
+        h = x.shape[1]
+        routed = self._routed(rows[:, :h].to(x.dtype), rows[:, h:h + k].to(weights.dtype),
+                              self._local_ids(rows[:, h + k:].long()))
+        return self.ep.sum_back(routed)[:n]
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output; ids index this rank's experts (len(local) marks another rank's)."""
         if self.w13 is None:   # unfused (training): the per-expert modules
-            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-            return out + _hit_experts(x, weights, ids, w13, torch.stack([e.down_proj.weight for e in self.experts], 1))
+            experts = list(self.experts.values())
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+            return _hit_experts(x, weights, ids, w13, torch.stack([e.down_proj.weight for e in experts], 1))
         fp8 = isinstance(self.w13, Fp8Weight)
+        partitioned = self.ep.size > 1   # some choices are not this rank's: only the paths that skip them
         if torch.compiler.is_compiling():
             if x.is_cuda:   # a CUDA graph cannot loop over the experts hit on the host: all experts, two GEMMs
                 w13, w2 = (self.w13.dequantize(x.dtype), self.w2.dequantize(x.dtype)) if fp8 else (self.w13, self.w2)
-                return out + _all_experts(x, weights, ids, w13, w2)
-            if ids.numel() <= FEW_CHOICES:
-                return out + _chosen_pairs(x, weights, ids, self.w13, self.w2)
+                return _all_experts(x, weights, ids, w13, w2)
+            if ids.numel() <= FEW_CHOICES and not partitioned:
+                return _chosen_pairs(x, weights, ids, self.w13, self.w2)
             if fp8:   # the experts hit, each dequantized as it runs
-                return out + routed_experts_fp8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
-                                                self.w2.scale, self.w13.block)
-            if x.dtype == torch.bfloat16:   # (inductor takes torch._grouped_mm in bf16 only)
-                return out + _grouped_experts(x, weights, ids, self.w13, self.w2)
-            return out + routed_experts(x, weights, ids, self.w13, self.w2)
+                return routed_experts_fp8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
+                                          self.w2.scale, self.w13.block)
+            if x.dtype == torch.bfloat16 and not partitioned:   # (inductor takes torch._grouped_mm in bf16 only)
+                return _grouped_experts(x, weights, ids, self.w13, self.w2)
+            return routed_experts(x, weights, ids, self.w13, self.w2)
         if (not fp8 and x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= len(self.w13)
                 and x.dtype != torch.float32):
             # A few tokens choosing about half the experts or more, in half precision (whose CPU GEMMs cost the
             # same for 1 and 16 rows; fp32 ones do not): all experts as two GEMMs, weighted by the (mostly zero)
             # routing weights.
-            return out + _all_experts(x, weights, ids, self.w13, self.w2)
-        return out + _hit_experts(x, weights, ids, self.w13, self.w2)
+            return _all_experts(x, weights, ids, self.w13, self.w2)
+        return _hit_experts(x, weights, ids, self.w13, self.w2)
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -102,20 +138,22 @@ class MoE(nn.Module):
         an expert as one GEMM) and w2 [H, E, I] (all down projections side by side: one GEMM over all
         experts' outputs); the state dict keeps its names. FP8 experts are stacked with their scales."""
         def stack(attr):
-            return (torch.stack([torch.cat([getattr(e.gate_proj, attr), getattr(e.up_proj, attr)]) for e in self.experts]),
-                    torch.stack([getattr(e.down_proj, attr) for e in self.experts], dim=1))
+            return (torch.stack([torch.cat([getattr(e.gate_proj, attr), getattr(e.up_proj, attr)]) for e in experts]),
+                    torch.stack([getattr(e.down_proj, attr) for e in experts], dim=1))
+
+        experts = list(self.experts.values())
 
         w13, w2 = stack("weight")
         inter = w2.shape[-1]
-        for i, e in enumerate(self.experts):
+        for i, e in enumerate(experts):
             e.gate_proj.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
             e.up_proj.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
             e.down_proj.weight = nn.Parameter(w2[:, i], requires_grad=False)
         self.w13, self.w2 = w13, w2
-        block = getattr(self.experts[0].gate_proj, "weight_block", None)
+        block = getattr(experts[0].gate_proj, "weight_block", None)
         if block is not None:
             s13, s2 = stack("weight_scale")
-            for i, e in enumerate(self.experts):
+            for i, e in enumerate(experts):
                 e.gate_proj.weight_scale, e.up_proj.weight_scale = s13[i, :inter], s13[i, inter:]
                 e.down_proj.weight_scale = s2[:, i]
             self.w13, self.w2 = Fp8Weight(w13, s13, block), Fp8Weight(w2, s2, block)
@@ -123,17 +161,20 @@ class MoE(nn.Module):
 
 def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     """Runs each expert that some token chose on those tokens only, weighted by its routing weight.
-    w13: [E, 2I, H]; w2: [H, E, I]."""
+    w13: [E, 2I, H]; w2: [H, E, I]. An id of E is a choice of an expert held elsewhere (expert parallelism):
+    skipped."""
+    num_experts = len(w13)
     if ids.numel() <= FEW_CHOICES:
         # A few tokens (decode; verify at small batch): each expert chosen by any of them runs once on all of
         # them (a GEMM of a few columns costs about what one column does), weighted by a routing weight that
         # is zero for the tokens that did not choose it.
-        routing = torch.zeros(ids.shape[0], len(w13), dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+        routing = torch.zeros(ids.shape[0], num_experts + 1, dtype=x.dtype, device=x.device).scatter(1, ids, weights)
         out = None
         for expert in dict.fromkeys(ids.flatten().tolist()):
-            y = linear(silu_and_mul(linear(x, w13[expert])), w2[:, expert]) * routing[:, expert:expert + 1]
-            out = y if out is None else out + y
-        return out
+            if expert < num_experts:
+                y = linear(silu_and_mul(linear(x, w13[expert])), w2[:, expert]) * routing[:, expert:expert + 1]
+                out = y if out is None else out + y
+        return torch.zeros_like(x) if out is None else out
     # Many tokens: each expert on the tokens that chose it, gathered once in expert order (so each expert's
     # rows are a slice), and one scatter-add of the weighted outputs at the end.
     flat_ids = ids.flatten()
@@ -141,13 +182,15 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     token_of = order // ids.shape[1]
     chosen_x = x[token_of]
     outputs, start = [], 0
-    for expert, count in enumerate(torch.bincount(flat_ids, minlength=len(w13)).tolist()):
+    for expert, count in enumerate(torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()):
         if count:
             rows = chosen_x[start:start + count]
             outputs.append(linear(silu_and_mul(linear(rows, w13[expert])), w2[:, expert]))
             start += count
-    weighted = torch.cat(outputs) * weights.flatten()[order].unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, token_of, weighted)
+    if not outputs:
+        return torch.zeros_like(x)
+    weighted = torch.cat(outputs) * weights.flatten()[order[:start]].unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token_of[:start], weighted)
 
 
 def _chosen_pairs(x, weights, ids, w13, w2) -> torch.Tensor:
@@ -209,6 +252,7 @@ def _all_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     """Every expert on every token as two GEMMs (no data-dependent shapes), weighted by the routing weights,
     zero for the experts a token did not choose. E/k times the expert FLOPs, one pass over all expert weights."""
     num_experts, inter = w13.shape[0], w2.shape[-1]
-    dense = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+    dense = torch.zeros(x.shape[0], num_experts + 1, dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+    dense = dense[:, :num_experts]   # (column E: choices of experts held elsewhere)
     hidden = silu_and_mul(F.linear(x, w13.view(-1, w13.shape[-1])).view(x.shape[0], num_experts, 2 * inter))
     return F.linear((hidden * dense.unsqueeze(-1)).view(x.shape[0], -1), w2.view(w2.shape[0], -1))

@@ -95,3 +95,50 @@ class VocabParallelEmbedding(nn.Module):
         inside = (local >= 0) & (local < self.rows)
         out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
         return self.tp.all_reduce(out)
+
+
+@dataclass
+class ExpertParallel:
+    """Routed experts partitioned over `size` ranks, rank r owning a contiguous range of them.
+
+    dispatch=False (tensor parallelism): every rank has every token, runs its own experts on them, and the
+    block's all-reduce sums the partial outputs. dispatch=True (data-parallel attention): each rank has its
+    own tokens; every MoE layer all-gathers the ranks' tokens with their routing, runs its experts on all of
+    them and reduce-scatters the outputs back (each rank receives the sum over all experts for its own
+    tokens). Every rank sends the same number of rows, `tokens_per_rank`, which the runner agrees on before
+    each eager forward (a graph's rows are already the same on every rank)."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+    dispatch: bool = False
+    tokens_per_rank: int = 0
+
+    def experts(self, num_experts: int) -> range:
+        if num_experts % self.size:
+            raise ValueError(f"expert parallel size {self.size} (data_parallel_size x tensor_parallel_size): must "
+                             f"divide n_routed_experts = {num_experts}")
+        n = num_experts // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def gather_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, d] on each rank -> [size * n, d], rank 0's rows first."""
+        import torch.distributed._functional_collectives as fc
+        return fc.wait_tensor(fc.all_gather_single(rows.contiguous(), 0, self.group))
+
+    def sum_back(self, rows: torch.Tensor) -> torch.Tensor:
+        """[size * n, d] partial sums on each rank -> [n, d]: this rank's rows summed over the ranks."""
+        import torch.distributed._functional_collectives as fc
+        return fc.wait_tensor(fc.reduce_scatter_single(rows.contiguous(), "sum", 0, self.group))
+
+
+def parallel_layout(tp_size: int, dp_size: int, expert_parallel: bool, rank: int = 0,
+                    group=None) -> tuple[TensorParallel, ExpertParallel | None]:
+    """Rank `rank`'s tensor- and expert-parallel layout. Data-parallel ranks replicate attention (no TP inside
+    them); expert parallelism spans every rank and dispatches tokens when the ranks hold different ones (DP)."""
+    if dp_size > 1 and tp_size > 1:
+        raise ValueError(f"data_parallel_size = {dp_size} with tensor_parallel_size = {tp_size}: tensor parallelism "
+                         "inside data-parallel ranks is not supported; use tensor_parallel_size = 1")
+    tp = TensorParallel(rank, tp_size, group) if tp_size > 1 else TensorParallel()
+    world = tp_size * dp_size
+    ep = ExpertParallel(rank, world, group, dispatch=dp_size > 1) if expert_parallel and world > 1 else None
+    return tp, ep

@@ -53,11 +53,12 @@ class GraphRunner:
                 and self.indexed(what, q) == (output_index is not None))
 
     def run(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
-            output_index: list[int] | None = None) -> torch.Tensor:
+            output_index: list[int] | None = None, batch: int | None = None) -> torch.Tensor:
         """what: "main" or "mtp{layer}". Returns hidden states for the real rows' tokens in order, or for
-        `output_index` (one flat token index per row; indexed graphs only)."""
+        `output_index` (one flat token index per row; indexed graphs only). batch: a larger graph than the
+        rows need (data parallel: every rank runs the largest any needs)."""
         n, q = len(rows), len(rows[0].token_ids)
-        batch = self.padded_size(n)
+        batch = batch or self.padded_size(n)
         fn, buf = self._graph(what, batch, q)
         bucket = self.kv_bucket(max(r.start for r in rows) + q)
         # Index arithmetic in Python lists, one copy per buffer: per-op costs dominate a small decode step.

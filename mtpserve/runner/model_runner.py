@@ -1,4 +1,5 @@
 """One engine step on the model: the target forward, sampling or verification, then MTP drafting."""
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -6,6 +7,7 @@ import torch
 from mtpserve.config import SpeculativeConfig
 from mtpserve.engine.scheduler import ScheduledRequest
 from mtpserve.runner.batch import Row, build_batch
+from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.graphs import GraphRunner
 from mtpserve.sampling.sampler import draw, logits_to_probs, sample, sampling_tensors
 from mtpserve.spec.ngram import NgramProposer
@@ -41,8 +43,9 @@ def num_mtp_caches(cfg, spec: SpeculativeConfig | None) -> int:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
-                 max_span: int = 0):
-        """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot)."""
+                 max_span: int = 0, dp: DataParallelSync | None = None):
+        """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot).
+        dp: data-parallel ranks with expert parallelism; every forward is agreed with them (runner/dp_sync.py)."""
         cfg = model.config
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
         # One more block than the manager hands out: slot -1 (padding) lands in its last row.
@@ -55,6 +58,9 @@ class ModelRunner:
         if graph_batch_sizes:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
                                       max_span, device)
+        self.dp = dp
+        self.pass_counts = Counter()   # forwards run: "main", "mtp" and (DP) their dummies
+        self._planned_passes = self._passes_run = self._step_passes = 0
         self.proposer = None
         if spec is not None and spec.method == "mtp":
             self.proposer = MTPProposer(model, spec, self.forward, self.generator, device)
@@ -66,8 +72,14 @@ class ModelRunner:
                 output_index: list[int] | None = None) -> torch.Tensor:
         """Runs the main model ("main") or MTP layer j ("mtp{j}") on rows: a graph when the rows are uniform
         and fit one, else eagerly. Returns hidden states of every token, or of `output_index` (MTP only)."""
+        self.pass_counts["main" if what == "main" else "mtp"] += 1
+        if self.dp is not None:
+            return self._forward_in_step(what, rows, prev_hidden, output_index)
         if self.graphs is not None and self.graphs.fits(what, rows, output_index):
             return self.graphs.run(what, rows, prev_hidden, output_index)
+        return self._eager(what, rows, prev_hidden, output_index)
+
+    def _eager(self, what, rows, prev_hidden, output_index):
         input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
         if what == "main":
             return self.model(input_ids, positions, meta, self.main_caches)
@@ -89,8 +101,53 @@ class ModelRunner:
         self.graphs.warm_up(shapes)
         return self.graphs.compile_seconds
 
+    def _forward_in_step(self, what, rows, prev_hidden, output_index):
+        """Data parallel: the forward every rank runs alike (runner/dp_sync.py); no rows: a dummy one."""
+        fits = self.graphs is not None and bool(rows) and self.graphs.fits(what, rows, output_index)
+        plan = self.dp.agree(len(output_index) if output_index is not None else sum(len(r.token_ids) for r in rows),
+                             self.graphs.padded_size(len(rows)) if fits else 0,
+                             len(rows[0].token_ids) if fits else 0, bool(rows) and not fits,
+                             self._planned_passes if what == "main" else 0)
+        if what == "main":
+            self._step_passes = plan.mtp_passes
+        else:
+            self._passes_run += 1
+        if not rows:
+            self.pass_counts["dummy_" + ("main" if what == "main" else "mtp")] += 1
+            rows, prev_hidden, output_index = self._dummy_batch(what, plan)
+        self.model.ep.tokens_per_rank = plan.tokens_per_rank
+        if plan.graph is not None:
+            return self.graphs.run(what, rows, prev_hidden, output_index, batch=plan.graph[0])
+        return self._eager(what, rows, prev_hidden, output_index)
+
+    def _dummy_batch(self, what, plan):
+        """One row of padding tokens (slot -1: no KV written), shaped like the graph the others run."""
+        q = plan.graph[1] if plan.graph is not None else 1
+        prev_hidden = None if what == "main" else torch.zeros(q, self.model.config.hidden_size,
+                                                              dtype=self.kv_caches[0].dtype, device=self.device)
+        indexed = plan.graph is not None and self.graphs.indexed(what, q)
+        return [Row([0] * q, 0, [0], 0)], prev_hidden, [0] if indexed else None
+
+    def _mtp_passes(self, scheduled) -> int:
+        """MTP passes this step needs here: k when a request drafts, 1 when prompt chunks only fill the cache."""
+        if not scheduled or not isinstance(self.proposer, MTPProposer):
+            return 0
+        return self.spec.num_speculative_tokens if any(s.samples for s in scheduled) else 1
+
+    def _finish_dp_step(self) -> None:
+        """Data parallel: the MTP passes the busiest rank runs and this one did not, as dummies."""
+        num_layers = 1 if self.graphs is not None else self.model.num_mtp_layers
+        for j in range(self._passes_run, self._step_passes):
+            self.forward(f"mtp{j if j < num_layers else 0}", [])
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+        if self.dp is not None:
+            self._planned_passes, self._passes_run = self._mtp_passes(scheduled), 0
+            if not scheduled:   # nothing here: the same forwards as the others, on padding
+                self.forward("main", [])
+                self._finish_dp_step()
+                return []
         rows, offsets = [], [0]   # offsets[i]: where request i's tokens start in the flat batch
         pad_to = self._graph_query_len(scheduled)
         for s in scheduled:
@@ -110,6 +167,8 @@ class ModelRunner:
                      scheduled, hidden, offsets, results)
         if self.proposer is not None:
             self.proposer.propose(scheduled, hidden, offsets, results)
+        if self.dp is not None:
+            self._finish_dp_step()
         return results
 
     def _graph_query_len(self, scheduled) -> int:
