@@ -24,33 +24,8 @@ from mtpserve.executor.multiproc import WorkerFailedError
 from mtpserve.model.checkpoint import write_random_checkpoint
 from mtpserve.model.loader import LoadStats, load_model, quantize_fp8_blockwise
 from mtpserve.model.parallel import TensorParallel, shard_kind, shard_slices
+from rank_processes import STARTED, count_graph_runs, end_workers, record_workers, watchdog  # noqa: F401
 from tiny_models import trained_checkpoint
-
-WATCHDOG_SECONDS = 240
-STARTED: list[int] = []   # worker PIDs of every engine this module started
-
-
-def kill_workers() -> None:
-    for pid in STARTED:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-@pytest.fixture(autouse=True)
-def watchdog():
-    timer = threading.Timer(WATCHDOG_SECONDS, kill_workers)
-    timer.start()
-    yield
-    timer.cancel()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def end_workers():
-    yield
-    kill_workers()
-
 
 REFERENCES: dict = {}
 
@@ -66,9 +41,7 @@ def reference(path, **kw) -> LLM:
 def tensor_parallel(path, **kw) -> LLM:
     """A TP=2 LLM (one per process at a time: torch.distributed has one default group); the caller shuts it
     down. Its worker's PID is recorded for the watchdog."""
-    llm = LLM(model=path, dtype="float32", tensor_parallel_size=2, **kw)
-    STARTED.extend(p.pid for _, p in llm.engine.executor.workers)
-    return llm
+    return record_workers(LLM(model=path, dtype="float32", tensor_parallel_size=2, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -141,17 +114,6 @@ def test_tp2_graph_mode_matches_eager(ckpt):
             llm.engine.shutdown()
     assert outputs[False] == outputs[True]   # tokens and acceptance
     assert calls() > 10   # decode and draft steps really ran as graphs
-
-
-def count_graph_runs(llm):
-    graphs, count = llm.engine.runner.graphs, [0]
-    run_graph = graphs.run
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return run_graph(*args, **kwargs)
-    graphs.run = counting
-    return lambda: count[0]
 
 
 def test_killed_worker_fails_requests_within_seconds(ckpt):

@@ -38,6 +38,15 @@ class EngineCollector:
                           stats.get("kv_usage"))
         yield self._gauge("mtpserve:kv_cache_free_blocks", "Free KV-cache blocks.", stats.get("num_free_blocks"))
         yield self._gauge("mtpserve:kv_cache_total_blocks", "KV-cache blocks in all.", stats.get("num_total_blocks"))
+        ranks = stats.get("data_parallel_ranks") or []
+        if ranks:   # each data-parallel engine core's load (what the front balances new requests on)
+            for name, key, doc in (("running", "num_running", "Requests running on each data-parallel rank."),
+                                   ("waiting", "num_waiting", "Requests waiting on each data-parallel rank."),
+                                   ("kv_cache_usage_perc", "kv_usage", "KV-cache use of each data-parallel rank.")):
+                g = GaugeMetricFamily(f"mtpserve:dp_rank_{name}", doc, labels=["model_name", "dp_rank"])
+                for r in ranks:
+                    g.add_metric([self.model_name, str(r["rank"])], float(r[key]))
+                yield g
         yield self._gauge("mtpserve:engine_step_errors", "Engine steps that raised (their requests failed).",
                           self.async_engine.num_step_errors)
         yield self._gauge("mtpserve:spec_decode_num_drafts", "Speculative steps (drafts proposed), cumulative.",
