@@ -123,6 +123,10 @@ def main(argv=None) -> None:
     add_serve_args(serve)
     serve.set_defaults(func=run_server)
 
+    proxy = sub.add_parser("proxy", help="OpenAI-compatible front for disaggregated prefill / decode servers")
+    from mtpserve.disagg.proxy import add_proxy_args, run_proxy
+    add_proxy_args(proxy)
+    proxy.set_defaults(func=run_proxy)
     train = sub.add_parser("train", help="train a DeepSeek-V3 + MTP model on the standard library's source")
     from mtpserve.train.train import add_train_args, run_train
     add_train_args(train)

@@ -42,6 +42,55 @@ def test_disaggregated_equals_single_engine(ckpt, spec, params):
     assert dbm.num_free_blocks == dbm.num_blocks
 
 
+@pytest.mark.parametrize("k, graphs", [(1, False), (2, False), (1, True)], ids=["k1-eager", "k2-eager", "k1-graph"])
+def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs):
+    """Scheme 2: the decode engine gets no drafts and no MTP KV for the last prompt position, only the hidden
+    state there; its first step pads with placeholder drafts (still a graph) and runs the MTP from there."""
+    import torch
+    prompts = pattern_batch(torch.Generator().manual_seed(1), 3, 9).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    spec = {"num_speculative_tokens": k}
+    mode = dict(enforce_eager=not graphs, graph_batch_sizes=[4])
+    single = LLMEngine.from_kwargs(ckpt, spec)
+    for i, p in enumerate(prompts):
+        single.add_request(str(i), None, p, params)
+    want = run_to_end(single)
+    prefill_engine = LLMEngine.from_kwargs(ckpt, spec)
+    decode_engine = LLMEngine.from_kwargs(ckpt, spec, **mode)
+    placeholders, graph_steps = count_placeholder_steps(decode_engine)
+    for i, p in enumerate(prompts):
+        handoff = prefill(prefill_engine, str(i), None, p, params, scheme="hidden")
+        assert handoff.draft_token_ids == [] and handoff.last_hidden is not None
+        assert handoff.kv[-1].shape[0] == handoff.kv[0].shape[0] - 1   # the last MTP slot is the decoder's
+        add_prefilled(decode_engine, handoff)
+    assert run_to_end(decode_engine) == want
+    assert placeholders() == 1   # one first step, all three requests padded in it
+    if graphs:
+        assert graph_steps() > 0
+    assert decode_engine.get_metrics()["num_accepted_tokens"] > 0
+    dbm = decode_engine.block_manager
+    assert dbm.num_free_blocks == dbm.num_blocks
+
+
+def count_placeholder_steps(engine):
+    """(steps verifying placeholder drafts, steps run as graphs) so far."""
+    runner, counts = engine.runner, [0, 0]
+    execute = runner.execute
+
+    def counting(scheduled):
+        counts[0] += any(s.req.placeholder_drafts for s in scheduled)
+        return execute(scheduled)
+    runner.execute = counting
+    if runner.graphs is not None:
+        run_graph = runner.graphs.run
+
+        def counting_graphs(*a, **kw):
+            counts[1] += 1
+            return run_graph(*a, **kw)
+        runner.graphs.run = counting_graphs
+    return (lambda: counts[0]), (lambda: counts[1])
+
+
 def test_handoff_refused_when_engines_differ(ckpt):
     p = SamplingParams(temperature=0.0, max_tokens=5)
     handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 1}), "a", None, [3, 4, 5], p)

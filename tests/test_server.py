@@ -6,8 +6,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,6 +16,7 @@ import pytest
 from mtpserve.engine.async_engine import AsyncEngine, EngineError, QueueFullError
 from mtpserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from mtpserve.sampling_params import SamplingParams
+from server_processes import server_process
 
 SPEC = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
 API_KEY = "sk-test-key"
@@ -62,38 +61,13 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "mtpserve.serve.openai_api", "--model", ckpt, "--port", str(port),
-           "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4",
-           "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "96", "--enforce-eager",
-           "--api-key", API_KEY]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
+    args = ["mtpserve.serve.openai_api", "--model", ckpt, "--port", str(port),
+            "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4",
+            "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "96", "--enforce-eager",
+            "--api-key", API_KEY]
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not become healthy in 120 s")
-            time.sleep(0.25)
+    with server_process(args, url, tmp_path_factory.mktemp("server_log") / "server.log"):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")

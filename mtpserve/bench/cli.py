@@ -62,9 +62,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--no-hf-mtp", action="store_true", help="skip transformers generate(use_mtp=True)")
     rf = sub.add_parser("roofline", help="bandwidth floor of a decode step vs the measured step (random ~300M model)")
     _common(rf, 32, 16)
-    pa = sub.add_parser("parallel", help="tensor-parallel sizes side by side (same cores), and the all-reduce cost")
+    pa = sub.add_parser("parallel", help="parallel layouts side by side (same cores), and what their collectives cost")
     _common(pa, 32, 64)
-    pa.add_argument("--tensor-parallel-sizes", default="1,2", help="comma list")
+    pa.add_argument("--layouts", default="tp1,tp2", help="comma list: tpN (tensor parallel), dpNep (data-parallel "
+                    "attention + expert parallel), tpNep (TP with whole experts per rank)")
+    pa.add_argument("--tensor-parallel-sizes", default=None, help="comma list: the same as --layouts tp1,tp2,...")
     pa.add_argument("--batch-sizes", default="1,32", help="comma list")
     pa.add_argument("--quantization", default=None, choices=["fp8", "none"], help="as for generate/serve")
     sc = sub.add_parser("scaling", help="a checkpoint's layout over N devices (TP, DP+EP) from its config alone")
@@ -156,7 +158,10 @@ def _parallel(args, path: str) -> dict:
     import os
 
     from mtpserve.bench import parallel
-    res = parallel.run_parallel(path, common.parse_list(args.tensor_parallel_sizes), common.parse_list(args.batch_sizes),
+    layouts = args.layouts.split(",")
+    if args.tensor_parallel_sizes:
+        layouts = [f"tp{n}" for n in common.parse_list(args.tensor_parallel_sizes)]
+    res = parallel.run_parallel(path, layouts, common.parse_list(args.batch_sizes),
                                 args.input_len, args.output_len, args.num_iters, args.dtype, args.speculative_config,
                                 args.threads or os.cpu_count() or 1, args.quantization)
     parallel.print_parallel(res)

@@ -1,7 +1,7 @@
 """`mtpserve bench scaling`: how a checkpoint lays out over N devices, from its config.json alone.
 
 For tensor parallelism (TP=N, what mtpserve runs today) and for data-parallel attention with expert parallelism
-(DP=N, EP=N: the seed's deployment, Scale-out II), per device: weight bytes, KV bytes per token and the tokens
+(DP=N, EP=N: the seed's deployment), per device: weight bytes, KV bytes per token and the tokens
 of KV that fit, and the bytes each device sends per decode step. Parameter counts follow the model code
 (model/parallel.py says what is split); FP8 counts DeepSeek's FP8 tensors (every linear weight but the
 router, embedding and head) at one byte.
@@ -35,12 +35,22 @@ def parameter_groups(cfg: ModelConfig) -> dict:
         experts=experts)
 
 
+def expert_devices_reached(cfg: ModelConfig, devices: int) -> int:
+    """The most devices one token's experts can be on: k experts, within topk_group of n_group groups (DeepSeek's
+    group-limited routing), the experts partitioned contiguously over the devices."""
+    k = cfg.num_experts_per_tok or 0
+    if cfg.n_group and cfg.n_group > 1 and cfg.topk_group:
+        return min(k, devices, cfg.topk_group * max(1, devices // cfg.n_group))
+    return min(k, devices)
+
+
 def layouts(cfg: ModelConfig, devices: int, memory_gib: float, fp8: bool, batch_per_device: int,
             memory_utilization: float = 0.9) -> list[dict]:
     g = parameter_groups(cfg)
     w = 1 if fp8 else 2                            # bytes of a (quantizable) linear weight
     kv_per_token = (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) * cfg.kv_cache_dim * 2   # bf16 latent
     layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) + cfg.num_nextn_predict_layers
     h = cfg.hidden_size
     usable = memory_gib * GIB * memory_utilization
     out = []
@@ -49,12 +59,15 @@ def layouts(cfg: ModelConfig, devices: int, memory_gib: float, fp8: bool, batch_
                    + g["experts"] * w / experts_by)
         if name == "TP":   # two all-reduces of [batch, hidden] bf16 per layer; ring: 2 (N-1)/N of it sent
             sent = batch_per_device * layers * 2 * h * 2 * 2 * (devices - 1) / devices
-        else:              # each token's hidden state to its k experts' devices and back (all-to-all)
-            sent = batch_per_device * layers * (cfg.num_experts_per_tok or 0) * h * 2 * 2 * (devices - 1) / devices
+        else:              # each token's hidden state to its experts' devices and back (all-to-all)
+            sent = batch_per_device * moe_layers * expert_devices_reached(cfg, devices) * h * 2 * 2 * (devices - 1) / devices
+        # all-gather + reduce-scatter (what mtpserve's EP does): every token to every device and back
+        gathered = batch_per_device * moe_layers * h * 2 * 2 * (devices - 1) if name == "DP+EP" else 0
         kv_tokens = max(0.0, usable - weights) / kv_per_token
         out.append(dict(layout=f"{name}={devices}", weight_gib=weights / GIB, kv_bytes_per_token=kv_per_token,
                         kv_tokens_per_device=kv_tokens, fits=weights < usable,
-                        sent_mib_per_step=sent / 2 ** 20, batch_per_device=batch_per_device,
+                        sent_mib_per_step=sent / 2 ** 20, gathered_mib_per_step=gathered / 2 ** 20,
+                        batch_per_device=batch_per_device,
                         # TP: every device sees the same batch; DP+EP: every device's batch reaches the experts
                         tokens_per_expert_per_step=(batch_per_device * (devices if name == "DP+EP" else 1)
                                                     * (cfg.num_experts_per_tok or 0) / (cfg.n_routed_experts or 1)),
@@ -78,12 +91,13 @@ def table(cfg: ModelConfig, device_counts: list[int], memory_gib: float, fp8: bo
              f"{'FP8' if fp8 else 'BF16'}, {memory_gib:.0f} GiB per device (90% usable), batch {batch} per device "
              f"in decode.", "",
              "| layout | weights / device (GiB) | KV / token (KiB) | KV tokens / device | routed experts / device "
-             "| sent / device / decode step (MiB) | tokens / expert / step |",
-             "|---|---|---|---|---|---|---|"]
+             "| sent / device / decode step (MiB) | DP+EP by all-gather + reduce-scatter (MiB) | tokens / expert / step |",
+             "|---|---|---|---|---|---|---|---|"]
     for n in device_counts:
         for row in layouts(cfg, n, memory_gib, fp8, batch):
             kv = f"{row['kv_tokens_per_device']:,.0f}" if row["fits"] else "does not fit"
+            gathered = f"{row['gathered_mib_per_step']:.1f}" if row["gathered_mib_per_step"] else "—"
             lines.append(f"| {row['layout']} | {row['weight_gib']:.1f} | {row['kv_bytes_per_token'] / 1024:.1f} | {kv} "
-                         f"| {row['experts_per_device']:.0f} | {row['sent_mib_per_step']:.1f} "
+                         f"| {row['experts_per_device']:.0f} | {row['sent_mib_per_step']:.1f} | {gathered} "
                          f"| {row['tokens_per_expert_per_step']:.1f} |")
     return lines

@@ -111,7 +111,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
-    async def add_request(self, request_id: str, prompt, prompt_token_ids, params) -> RequestStream:
+    def call_soon(self, fn) -> None:
+        """Runs fn(engine) on the engine thread, between steps (any thread may ask)."""
+        self._send(("call", fn))
+
+    async def add_request(self, request_id: str, prompt, prompt_token_ids, params, add=None) -> RequestStream:
+        """add(engine, request_id, prompt, prompt_token_ids, params): how the engine takes the request
+        (default engine.add_request; a decode server imports a hand-off instead)."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         stream = RequestStream(request_id, asyncio.get_running_loop(), self)
@@ -122,7 +128,7 @@ class AsyncEngine:
                     self.stats.get("num_waiting", 0) + self._pending_adds >= self.max_queue_len:
                 raise QueueFullError(f"{self.max_queue_len} requests are already waiting (--max-queue-len)")
             self._pending_adds += 1
-            self._commands.append(("add", request_id, prompt, prompt_token_ids, params, stream))
+            self._commands.append(("add", request_id, prompt, prompt_token_ids, params, add, stream))
             self._wake.notify()
         try:
             first = await stream.queue.get()
@@ -193,11 +199,14 @@ class AsyncEngine:
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
-            _, rid, prompt, ids, params, stream = command
+            _, rid, prompt, ids, params, add, stream = command
             try:
                 if rid in self._streams:
                     raise ValueError(f"request_id {rid!r} is already running")
-                self.engine.add_request(rid, prompt, ids, params)
+                if add is None:
+                    self.engine.add_request(rid, prompt, ids, params)
+                else:
+                    add(self.engine, rid, prompt, ids, params)
             except Exception as e:   # ValueError naming the field, or anything else from the engine
                 with self._wake:     # refused: no longer pending, before the caller can hear about it
                     self._pending_adds -= 1
@@ -206,6 +215,11 @@ class AsyncEngine:
             self._streams[rid] = stream
             stream.put(_ADDED)
             return True
+        elif command[0] == "call":
+            try:
+                command[1](self.engine)
+            except Exception:
+                logger.exception("a call on the engine thread failed")
         elif command[0] == "abort":
             rid = command[1]
             if self._streams.pop(rid, None) is not None:

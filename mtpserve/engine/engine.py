@@ -74,8 +74,9 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, data_parallel_rank: int | None = None) -> None:
-        """data_parallel_rank: the rank to run it on (default: the least loaded)."""
+                    params: SamplingParams, data_parallel_rank: int | None = None, hold_kv: bool = False) -> None:
+        """data_parallel_rank: the rank to run it on (default: the least loaded). hold_kv: keep the request's
+        KV blocks when it finishes, until release_kv (a prefill server's requests, pulled by a decode server)."""
         if request_id in self.children:
             raise ValueError(f"request_id {request_id!r} is already in use")
         dp = self.config.data_parallel_size
@@ -97,6 +98,7 @@ class LLMEngine:
             gen = seeded_generator(params, i, self.device)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, prompt, list(token_ids), params, params.max_tokens or room, gen, i, request_id)
+            req.hold_kv = hold_kv
             children.append(req)
             self.requests[child_id] = req
             if dp > 1:
@@ -126,6 +128,10 @@ class LLMEngine:
                 self.scheduler.finish(req, "abort")
         self._forget(request_id)
 
+    def release_kv(self, request_id: str) -> bool:
+        """Frees the KV blocks a finished hold_kv request kept."""
+        return self.scheduler.release(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -153,6 +159,9 @@ class LLMEngine:
             req.metrics.last_token_time = now
             req.draft_token_ids = r.next_drafts or []
             req.draft_probs = r.next_draft_probs
+            req.placeholder_drafts = False
+            if r.last_hidden is not None:
+                req.last_hidden = r.last_hidden
             if req.is_finished:
                 req.metrics.finished_time = now
             if req.parent_id not in progressed:

@@ -46,6 +46,11 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     dp_rank: int = 0                                 # the data-parallel rank (engine core) that runs it
+    # prefill/decode disaggregation (mtpserve/disagg/)
+    hold_kv: bool = False                            # prefill side: keep the KV blocks once finished
+    last_hidden: torch.Tensor | None = None          # prefill side: hidden state at the last prompt position
+    placeholder_drafts: bool = False                 # decode side: drafts that only pad the step's shape
+    mtp_prefix_hidden: torch.Tensor | None = None    # decode side: the MTP input hidden for the position before
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -37,9 +37,17 @@ class Scheduler:
         self.num_lookahead_slots = num_lookahead_slots   # KV slots the MTP draft passes write ahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}   # finished, KV kept for a decode server to pull (disagg/)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def release(self, request_id: str) -> bool:
+        """Frees a held request's KV blocks (pulled, or never pulled in time)."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.block_manager.free(req)
+        return req is not None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -90,13 +98,17 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.draft_token_ids, req.draft_probs = [], None
+        req.placeholder_drafts, req.mtp_prefix_hidden = False, None   # (recomputed from scratch)
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
-        self.block_manager.free(req)
+        if req.hold_kv and reason != "abort":
+            self.held[req.request_id] = req
+        else:
+            self.block_manager.free(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -22,6 +22,7 @@ class StepResult:
     num_accepted: int = 0
     next_drafts: list[int] | None = None
     next_draft_probs: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None  # the sampled position's hidden state (requests that hold their KV)
 
 
 def stack_draft_probs(reqs, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -199,8 +200,10 @@ class ModelRunner:
             noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator,
                          self.device, [r.params.greedy for r in reqs])
             tokens = sample(probs, noise)
-        for i, token in zip(idx, tokens.tolist()):
+        for j, (i, token) in enumerate(zip(idx, tokens.tolist())):
             results[i].new_token_ids = [token]
+            if scheduled[i].req.hold_kv:   # a prefill server may ship it (disagg scheme 2)
+                results[i].last_hidden = last_hidden[j].clone()
 
     def _verify(self, idx, scheduled, hidden, offsets, results):
         if not idx:
@@ -213,7 +216,7 @@ class ModelRunner:
             # greedy matching: keep drafts while they equal the target's argmax, then one argmax more
             target_ids = self.model.compute_logits(hidden[rows]).argmax(-1).view(len(idx), k + 1)
             accepted = (drafts == target_ids[:, :k]).long().cumprod(-1).sum(-1)
-            return self._record(idx, target_ids, accepted, k, results)
+            return self._record(idx, target_ids, self._reject_placeholders(reqs, accepted), k, results, reqs)
         target = self._target_probs(reqs, hidden[rows], [k + 1] * len(idx)).view(len(idx), k + 1, -1)
         gens = [r.generator for r in reqs]
         greedy = [r.params.greedy for r in reqs]
@@ -227,13 +230,26 @@ class ModelRunner:
             if self.spec.draft_sampling == "probabilistic" and any(r.draft_probs is not None for r in reqs):
                 draft_probs = stack_draft_probs(reqs, drafts, target.shape[-1])
             tokens, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise, self.spec.verification)
-        self._record(idx, tokens, accepted, k, results)
+            placeholder = [b for b, r in enumerate(reqs) if r.placeholder_drafts]
+            if placeholder:   # the token after the pending one, drawn from the target alone: a plain sample
+                tokens[placeholder, 0] = sample(target[placeholder, 0], noise[placeholder, 0])
+                accepted = self._reject_placeholders(reqs, accepted)
+        self._record(idx, tokens, accepted, k, results, reqs)
 
     @staticmethod
-    def _record(idx, tokens, accepted, k, results):
-        for i, row, a in zip(idx, tokens.tolist(), accepted.tolist()):
+    def _reject_placeholders(reqs, accepted: torch.Tensor) -> torch.Tensor:
+        """Placeholder drafts (a decode server's first step for a request handed over without drafts) only
+        give the step its 1+k shape: none is accepted, whatever it is."""
+        if any(r.placeholder_drafts for r in reqs):
+            accepted = accepted.masked_fill(torch.tensor([r.placeholder_drafts for r in reqs], device=accepted.device), 0)
+        return accepted
+
+    @staticmethod
+    def _record(idx, tokens, accepted, k, results, reqs):
+        for i, row, a, r in zip(idx, tokens.tolist(), accepted.tolist(), reqs):
             results[i].new_token_ids = row[:a + 1]
-            results[i].num_drafts, results[i].num_accepted = k, a
+            if not r.placeholder_drafts:   # (placeholders are not drafts: acceptance counts only real ones)
+                results[i].num_drafts, results[i].num_accepted = k, a
 
     def _synthetic(self, drafts, target, uniforms, noise):
         """Measurement mode (bench --synthetic-acceptance): each draft passes with a fixed probability,

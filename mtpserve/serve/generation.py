@@ -65,12 +65,13 @@ def make_params(req: protocol.GenerationRequest, num_prompt_tokens: int, max_mod
         raise APIError(str(e), param=guess_param(str(e)))
 
 
-async def start_requests(async_engine, request_id: str, prompts: list, params: list) -> list:
-    """Adds one engine request per prompt; on any failure aborts those already added."""
+async def start_requests(async_engine, request_id: str, prompts: list, params: list, add=None) -> list:
+    """Adds one engine request per prompt (add: how, see AsyncEngine.add_request); on any failure aborts those
+    already added."""
     streams = []
     try:
         for i, ((text, ids), p) in enumerate(zip(prompts, params)):
-            streams.append(await async_engine.add_request(f"{request_id}-{i}", text, ids, p))
+            streams.append(await async_engine.add_request(f"{request_id}-{i}", text, ids, p, add))
     except BaseException as e:
         for s in streams:
             s.abort()

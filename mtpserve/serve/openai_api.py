@@ -90,8 +90,10 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine, served_model_name, api_key: str | None = None, max_model_len: int | None = None) -> FastAPI:
-    """engine: an AsyncEngine. served_model_name: a name or a list of names (the first one is reported)."""
+def build_app(engine, served_model_name, api_key: str | None = None, max_model_len: int | None = None,
+              kv_connector=None) -> FastAPI:
+    """engine: an AsyncEngine. served_model_name: a name or a list of names (the first one is reported).
+    kv_connector: this server's side of disaggregated prefill/decode (mtpserve/disagg/), or None."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     max_model_len = max_model_len or engine.max_model_len
     tokenizer = _own_copy(engine.tokenizer)   # the engine thread uses its tokenizer concurrently
@@ -148,7 +150,21 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
         prompts = generation.prepare_prompts(req, tokenizer, max_model_len, chat)
         params = [generation.make_params(req, len(ids), max_model_len, chat) for _, ids in prompts]
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
-        streams = await generation.start_requests(engine, request_id, prompts, params)
+        disagg = None
+        if req.kv_transfer_params is not None:
+            from mtpserve.disagg import serving
+            disagg = await serving.prepare(kv_connector, req.kv_transfer_params, req, prompts, params,
+                                           lambda n: generation.make_params(req, n, max_model_len, chat))
+            prompts, params = disagg.prompts, disagg.params
+        try:
+            streams = await generation.start_requests(engine, request_id, prompts, params,
+                                                      disagg.add if disagg else None)
+        except APIError as e:
+            if disagg is not None and e.status == 400:
+                e.param = "kv_transfer_params" if "handoff" in str(e) else e.param
+            raise
+        if disagg is not None and disagg.park:
+            return await _prefill_only(request, streams, req, request_id, model, chat)
 
         if req.stream:   # stream_sse aborts the requests when it is closed early
             return EngineStreamingResponse(generation.stream_sse(streams, req, request_id, model, chat),
@@ -163,6 +179,25 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
         if not collecting.done() or collecting.cancelled():
             return Response(status_code=499)   # the client went away
         return JSONResponse(collecting.result())
+
+    async def _prefill_only(request, streams, req, request_id, model, chat):
+        """A prefill server's answer: the first token, and where a decode server pulls the rest from."""
+        engine_request_id, parked = f"{request_id}-0", False
+        try:
+            collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat))
+            await _first_of(collecting, asyncio.ensure_future(_wait_for_disconnect(request)))
+            if not collecting.done() or collecting.cancelled():
+                return Response(status_code=499)
+            result = collecting.result()
+            result["kv_transfer_params"] = kv_connector.park(engine_request_id, result["choices"][0]["finish_reason"],
+                                                             req.kv_transfer_params.get("mtp_handoff"))
+            parked = result["kv_transfer_params"] is not None
+            return JSONResponse(result)
+        finally:
+            for s in streams:
+                s.abort()
+            if not parked:   # (no-op unless the request finished with its blocks held)
+                kv_connector.release(engine_request_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -197,6 +232,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' on /v1/* (default: $MTPSERVE_API_KEY)")
     a("--max-queue-len", type=int, default=None, help="waiting requests beyond which new ones get 503")
+    a("--kv-transfer-config", default=None,
+      help="disaggregated prefill/decode (JSON, vLLM's keys): kv_role kv_producer|kv_consumer|kv_both, kv_port, "
+           "kv_ip, mtp_handoff drafts|hidden, kv_transfer_timeout, kv_pull_timeout (mtpserve/disagg/connector.py)")
     a("--uvicorn-log-level", default="warning")
     return parser
 
@@ -237,15 +275,25 @@ def run_server(args) -> None:
         if server is not None:
             server.should_exit = True
 
+    kv_config = None
+    if args.kv_transfer_config:
+        from mtpserve.disagg.connector import KVConnector, KVTransferConfig
+        try:
+            kv_config = KVTransferConfig.from_json(args.kv_transfer_config)
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"--kv-transfer-config: {e}")
     async_engine = AsyncEngine(build_engine(args), max_queue_len=args.max_queue_len, on_fatal=stop_serving)
+    kv_connector = KVConnector(kv_config, async_engine) if kv_config else None
     names = args.served_model_name or [args.model or "mtpserve-default"]
-    app = build_app(async_engine, names, args.api_key, async_engine.max_model_len)
+    app = build_app(async_engine, names, args.api_key, async_engine.max_model_len, kv_connector)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", names, args.host, args.port,
                 async_engine.max_model_len)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
     try:
         server.run()
     finally:
+        if kv_connector is not None:
+            kv_connector.close()
         async_engine.shutdown()
         async_engine.engine.shutdown()
 

@@ -56,6 +56,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False      # extension (as vLLM's): token ids in each choice
+    kv_transfer_params: dict | None = None   # disaggregated prefill/decode (vLLM's field; mtpserve/disagg/)
     prompts: list = field(default_factory=list)   # completions: each a str or a list of token ids
     messages: list = field(default_factory=list)  # chat: [{"role", "content": str}]
 
@@ -111,8 +112,12 @@ def _parse_common(body, chat: bool) -> GenerationRequest:
     include_usage = bool((opts or {}).get("include_usage", False))
     if opts is not None and not stream:
         raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise APIError("'kv_transfer_params' must be an object", param="kv_transfer_params")
     return GenerationRequest(model=model, sampling=parse_sampling(body, chat), stream=stream,
-                             include_usage=include_usage, return_token_ids=bool(body.get("return_token_ids")))
+                             include_usage=include_usage, return_token_ids=bool(body.get("return_token_ids")),
+                             kv_transfer_params=kv)
 
 
 def _is_token_ids(x) -> bool:

@@ -27,16 +27,26 @@ class MTPProposer:
         k = self.spec.num_speculative_tokens
         static = self.static_shapes and all(
             s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled)
-        rows, hidden_idx, last, drafting = [], [], [], []
+        rows, hidden_idx, last, drafting, prefixes = [], [], [], [], []
         for i, s in enumerate(scheduled):
             accepted = len(results[i].new_token_ids) - 1 if s.samples else 0
             valid = s.num_new_tokens + accepted
             tokens = s.req.all_token_ids + results[i].new_token_ids
-            row_tokens = tokens[s.start + 1:s.start + valid + 1]
+            start, row_tokens = s.start, tokens[s.start + 1:s.start + valid + 1]
+            prefix = s.req.mtp_prefix_hidden if s.samples else None
+            if prefix is not None:
+                # Handed over with the hidden state of the position before (disagg scheme 2): the MTP input
+                # there is known only now, so the pass starts one position early. (Its drafts were
+                # placeholders, all rejected: valid = 1, and 2 <= 1+k tokens still fit the static shape.)
+                start, row_tokens, valid = start - 1, tokens[s.start:s.start + 1] + row_tokens, valid + 1
+                hidden_idx.append(len(hidden) + len(prefixes))
+                prefixes.append(prefix.to(hidden.dtype))
+                s.req.mtp_prefix_hidden = None
             if static:   # the seed's static shapes: 1+k tokens (their KV written), the layer run at the accepted index
                 row_tokens = row_tokens + [row_tokens[-1]] * (1 + k - valid)
-            rows.append(Row(row_tokens, s.start, s.req.block_ids))
-            hidden_idx.extend(range(offsets[i], offsets[i] + len(row_tokens)))
+            rows.append(Row(row_tokens, start, s.req.block_ids))
+            own = len(row_tokens) - (prefix is not None)
+            hidden_idx.extend(range(offsets[i], offsets[i] + own))
             last.append(len(hidden_idx) - len(row_tokens) + valid - 1)
             if s.samples:
                 drafting.append(i)
@@ -46,6 +56,8 @@ class MTPProposer:
         # layer); its graphs have no chained variant, and a layer it ran only now and then would attend over a
         # cache it never filled.
         chain = not self.static_shapes and min(k, self.model.num_mtp_layers) > 1
+        if prefixes:
+            hidden = torch.cat([hidden, torch.stack(prefixes)])
         out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=None if chain else last)
         if not drafting:   # prompt chunks only: the pass just filled the MTP cache
             return
