@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates docs/BENCHMARKS.md: every benchmark on the shipped default model (one thread each, so that the
-# ratios are not distorted by two runs fighting over cores), results kept in docs/bench_results/.
+# ratios are not distorted by two runs fighting over cores), results kept in docs/bench_results/. The parallel
+# and disaggregation results it reports come from scripts/bench_parallel.sh and scripts/bench_disagg.sh.
 set -euxo pipefail
 cd "$(dirname "$0")/.."
 R=docs/bench_results
@@ -48,4 +49,6 @@ $B report --results $R/latency_b1_float32.json $R/latency_b1_bfloat16.json $R/la
   $R/peers_graph.json $R/peers_graph_bf16.json $R/throughput_no_mtp.json \
   $R/throughput_mtp_k2.json $R/serve_none_c{1,4,16}.json $R/serve_mtp_k2_c{1,4,16}.json $R/roofline.json $R/latency_synthetic_300m.json \
   $R/parallel_300m_bf16.json $R/parallel_300m_fp8.json $R/parallel_default_mtp_k1.json \
+  $R/parallel_300m_moe_bf16.json $R/parallel_default_dp_ep_mtp_k1.json \
+  $R/disagg_colocated_2cores.json $R/disagg_1p1d_drafts.json $R/disagg_1p1d_hidden.json \
   --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md

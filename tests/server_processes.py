@@ -12,8 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @contextmanager
-def server_process(args: list[str], url: str, log_path, timeout: float = 120.0):
-    """Runs `python -m <args>` until healthy at url + /health; yields the Popen; terminates it afterwards."""
+def server_process(args: list[str], url: str, log_path, timeout: float = 120.0, up: tuple = (200,)):
+    """Runs `python -m <args>` until url + /health answers a status in `up`; yields the Popen; terminates it
+    afterwards."""
     log = open(log_path, "w+")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -24,7 +25,7 @@ def server_process(args: list[str], url: str, log_path, timeout: float = 120.0):
                 log.seek(0)
                 pytest.fail(f"{args[0]} exited with {proc.returncode}:\n{log.read()[-4000:]}")
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/health", timeout=1).status_code in up:
                     break
             except httpx.HTTPError:
                 pass

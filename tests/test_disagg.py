@@ -103,3 +103,34 @@ def test_handoff_refused_when_k_differs(ckpt):
     handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 3}), "a", None, [3, 4, 5], p)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         add_prefilled(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2}), handoff)
+
+
+def test_handoff_survives_the_wire(ckpt):
+    """encode/decode (the frames a KV endpoint sends): every tensor bit-exact, bf16 included."""
+    import torch
+    from mtpserve.disagg.transport import decode, encode
+    engine = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2}, dtype="bfloat16")
+    h = prefill(engine, "a", None, [3, 4, 5, 6], SamplingParams(temperature=0.8, seed=3, max_tokens=5),
+                scheme="hidden")
+    frames = encode(h)
+    back = decode([bytes(f) for f in frames])
+    assert back.kv[0].dtype == torch.bfloat16 and len(back.kv) == len(h.kv)
+    assert all(torch.equal(a, b) for a, b in zip(back.kv, h.kv))
+    assert torch.equal(back.last_hidden, h.last_hidden) and torch.equal(back.generator_state, h.generator_state)
+    assert (back.prompt_token_ids, back.output_token_ids, back.identity) == (h.prompt_token_ids, h.output_token_ids,
+                                                                            h.identity)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"kv_role": "kv_prefill"}', "kv_role = 'kv_prefill': must be one of"),
+    ('{"kv_role": "kv_producer", "kv_connector": "P2pNcclConnector"}', "kv_connector = 'P2pNcclConnector'"),
+    ('{"kv_role": "kv_consumer", "mtp_handoff": "logits"}', "mtp_handoff = 'logits'"),
+    ('{"kv_role": "kv_consumer", "kv_port": 70000}', "kv_port = 70000"),
+    ('{"kv_role": "kv_consumer", "kv_pull_timeout": 0}', "kv_pull_timeout = 0"),
+    ('{"kv_role": "kv_consumer", "bogus": 1}', "a JSON object with kv_role"),
+    ('not json', "not JSON"),
+])
+def test_kv_transfer_config_errors_name_the_field(text, message):
+    from mtpserve.disagg.connector import KVTransferConfig
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        KVTransferConfig.from_json(text)

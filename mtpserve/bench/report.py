@@ -304,7 +304,7 @@ def write_report(paths: list[str], out_path: str, plot_dir: str, intro: str | No
         lines += [intro, ""]
     titles = dict(latency="Latency sweep (`bench latency`)", peers="Peers: transformers generate (`bench peers`)",
                   throughput="Offline throughput (`bench throughput`)", serve="Serving (`bench serve`)",
-                  roofline="Roofline (`bench roofline`)", parallel="Tensor parallelism (`bench parallel`)")
+                  roofline="Roofline (`bench roofline`)", parallel="Parallel layouts: one process, TP, DP+EP (`bench parallel`)")
     for rec in recs:
         kind = rec["benchmark"]
         mode = "" if rec.get("measurement_mode", "real") == "real" else " — SYNTHETIC ACCEPTANCE (measurement mode)"

@@ -11,6 +11,7 @@ pulls the hand-off (kv_pull_timeout) and continues the request. `mtp_handoff` pi
 """
 import asyncio
 import json
+import time
 from dataclasses import dataclass, fields
 
 from mtpserve.disagg.handoff import SCHEMES, Handoff, export_handoff, import_handoff
@@ -69,6 +70,7 @@ class KVConnector:
         from mtpserve.engine.disagg import single_process
         single_process(async_engine.engine)
         self.config, self.async_engine = config, async_engine
+        self.pulls, self.pull_seconds, self.pull_bytes = 0, 0.0, 0   # decode side, cumulative
         self.endpoint = None
         if config.produces:
             self.endpoint = KVEndpoint("0.0.0.0", config.kv_port, config.kv_transfer_timeout, self._export,
@@ -104,8 +106,19 @@ class KVConnector:
             if key not in params:
                 raise ValueError(f"kv_transfer_params: {key} is missing (do_remote_prefill needs remote_host, "
                                  "remote_port and transfer_id, as a prefill server returns them)")
-        return await asyncio.to_thread(pull, params["remote_host"], int(params["remote_port"]),
-                                       str(params["transfer_id"]), self.config.kv_pull_timeout)
+        start = time.perf_counter()
+        handoff = await asyncio.to_thread(pull, params["remote_host"], int(params["remote_port"]),
+                                          str(params["transfer_id"]), self.config.kv_pull_timeout)
+        self.pulls += 1
+        self.pull_seconds += time.perf_counter() - start
+        self.pull_bytes += sum(t.numel() * t.element_size() for t in handoff.kv)
+        return handoff
+
+    def counters(self) -> dict:
+        """Hand-offs served (prefill side) and pulled (decode side), for /metrics."""
+        sent = (self.endpoint.transfers, self.endpoint.bytes_sent) if self.endpoint else (0, 0)
+        return dict(sent=sent[0], sent_bytes=sent[1], pulled=self.pulls, pulled_kv_bytes=self.pull_bytes,
+                    pull_seconds=self.pull_seconds, parked=self.endpoint.num_parked() if self.endpoint else 0)
 
     @staticmethod
     def importer(handoff: Handoff):

@@ -94,6 +94,9 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     rid = request_id or h.request_id
     engine.add_request(rid, h.prompt, h.prompt_token_ids, params or h.params)
     req: Request = engine.requests[rid]
+    if len(h.output_token_ids) >= req.max_tokens:
+        engine.abort_request(rid)
+        raise ValueError(f"max_tokens = {req.max_tokens}: the prefill side's first token already completes it")
     computed = h.kv[0].shape[0]
     lookahead = max(len(h.draft_token_ids), k) + engine.num_lookahead_slots + 1
     if not engine.block_manager.allocate(req, computed + lookahead):

@@ -60,19 +60,22 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], mtp_handoff: st
             return JSONResponse({"error": {"message": f"malformed JSON body: {e}", "type": "invalid_request_error",
                                            "param": None, "code": None}}, status_code=400)
         headers = forward_headers(request)
+        if body.get("max_tokens") == 1:   # the prefill is the whole answer: nothing to hand over
+            return await passthrough(next(prefills) + path, body, headers)
         params, answer = await prefill(next(prefills) + path, body, headers)
         if answer is not None:
             return answer
-        url = next(decodes) + path
-        decode_body = dict(body, kv_transfer_params=params)
+        return await passthrough(next(decodes) + path, dict(body, kv_transfer_params=params), headers, "decode")
+
+    async def passthrough(url: str, body: dict, headers: dict, role: str = "prefill"):
+        """The upstream's answer, streamed or not, as the client's."""
         try:
             if not body.get("stream"):
-                r = await client.post(url, json=decode_body, headers=headers)
+                r = await client.post(url, json=body, headers=headers)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
-            upstream = await client.send(client.build_request("POST", url, json=decode_body, headers=headers),
-                                         stream=True)
+            upstream = await client.send(client.build_request("POST", url, json=body, headers=headers), stream=True)
         except httpx.HTTPError as e:
-            return _error(502, f"decode server {url} unreachable: {type(e).__name__}: {e}", "decode_unreachable")
+            return _error(502, f"{role} server {url} unreachable: {type(e).__name__}: {e}", f"{role}_unreachable")
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()

@@ -59,6 +59,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
         self.children: dict[str, list[Request]] = {}
+        self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
 
     @classmethod
     def from_kwargs(cls, *args, **kwargs) -> "LLMEngine":
@@ -141,6 +142,7 @@ class LLMEngine:
         if not scheduled:
             return []
         now = time.monotonic()
+        self.num_padded_handoff_steps += any(s.req.placeholder_drafts for s in scheduled)
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
         results = self.executor.execute(scheduled)
@@ -226,4 +228,6 @@ class LLMEngine:
         stats["kv_usage"] = 1.0 - stats["num_free_blocks"] / stats["num_total_blocks"]
         if len(cores) > 1:
             stats["data_parallel_ranks"] = per_rank
+        stats["num_held_kv_requests"] = sum(len(c.held) for c in cores)
+        stats["num_padded_handoff_steps"] = self.num_padded_handoff_steps
         return stats

@@ -47,6 +47,10 @@ class EngineCollector:
                 for r in ranks:
                     g.add_metric([self.model_name, str(r["rank"])], float(r[key]))
                 yield g
+        yield self._gauge("mtpserve:kv_held_requests", "Prefilled requests whose KV waits to be pulled (disagg).",
+                          stats.get("num_held_kv_requests"))
+        yield self._gauge("mtpserve:disagg_padded_steps", "Steps that padded handed-over requests with placeholder "
+                          "drafts (scheme 2), cumulative.", stats.get("num_padded_handoff_steps"))
         yield self._gauge("mtpserve:engine_step_errors", "Engine steps that raised (their requests failed).",
                           self.async_engine.num_step_errors)
         yield self._gauge("mtpserve:spec_decode_num_drafts", "Speculative steps (drafts proposed), cumulative.",
@@ -66,6 +70,26 @@ class EngineCollector:
         yield self._gauge("mtpserve:spec_decode_mean_acceptance_length",
                           "Tokens produced per speculative step (accepted + 1).",
                           spec.get("mean_acceptance_length"))
+
+
+class TransferCollector:
+    """Disaggregation: hand-offs this server served (prefill) or pulled (decode), read at scrape time."""
+
+    def __init__(self, connector, model_name: str):
+        self.connector, self.model_name = connector, model_name
+
+    def collect(self):
+        c = self.connector.counters()
+        for name, key, doc in (
+                ("kv_handoffs_sent", "sent", "Hand-offs pulled from this (prefill) server, cumulative."),
+                ("kv_handoff_bytes_sent", "sent_bytes", "Bytes of hand-offs sent, cumulative."),
+                ("kv_handoffs_parked", "parked", "Hand-offs waiting to be pulled."),
+                ("kv_handoffs_pulled", "pulled", "Hand-offs this (decode) server pulled, cumulative."),
+                ("kv_handoff_kv_bytes_pulled", "pulled_kv_bytes", "Latent KV bytes pulled, cumulative."),
+                ("kv_handoff_pull_seconds", "pull_seconds", "Seconds spent pulling hand-offs, cumulative.")):
+            g = GaugeMetricFamily(f"mtpserve:{name}", doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(c[key]))
+            yield g
 
 
 class ServerMetrics:

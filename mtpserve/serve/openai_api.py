@@ -99,6 +99,9 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
     tokenizer = _own_copy(engine.tokenizer)   # the engine thread uses its tokenizer concurrently
     metrics = ServerMetrics(engine, names[0])
     engine.on_outputs, engine.on_abort = metrics.on_outputs, metrics.on_abort
+    if kv_connector is not None:
+        from mtpserve.serve.metrics import TransferCollector
+        metrics.registry.register(TransferCollector(kv_connector, names[0]))
     app = FastAPI(title="mtpserve", docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics = engine, metrics
     created = int(time.time())
