@@ -149,7 +149,7 @@ def other_table(rec: dict) -> list[str]:
 
 def _layout_name(c: dict) -> str:
     tp, dp = c["tensor_parallel_size"], c.get("data_parallel_size", 1)
-    name = f"DP={dp}" if dp > 1 else f"TP={tp}"
+    name = f"DP={dp}" if dp > 1 else (f"TP={tp}" if tp > 1 else "1 process")
     return name + ("+EP" if c.get("enable_expert_parallel") else "")
 
 
