@@ -1,7 +1,7 @@
 """Disaggregated serving with real processes on 127.0.0.1: prefill servers, decode servers and proxies.
 
 Through the proxy, greedy output equals one engine's (the reference: the in-process engine, itself equal to a
-single server elsewhere) in both hand-off schemes, with MTP k=1 (eager decode server) and k=2 (graph-mode decode
+single server elsewhere) in both hand-off schemes, with MTP k=1 (graph-mode decode server) and k=2 (eager decode
 server); scheme 2 takes the padding path and says so in /metrics; every KV block comes back on both sides;
 faults end in clear errors, not hangs or leaks.
 """
@@ -66,8 +66,8 @@ def deployments(ckpt, tmp_path_factory):
     from contextlib import ExitStack
     logs = tmp_path_factory.mktemp("pd_logs")
     with ExitStack() as stack:
-        yield {1: Deployment(stack, ckpt, 1, ["--enforce-eager"], logs),
-               2: Deployment(stack, ckpt, 2, ["--graph-mode", "--graph-batch-sizes", "4"], logs)}
+        yield {1: Deployment(stack, ckpt, 1, ["--graph-mode", "--graph-batch-sizes", "4"], logs),
+               2: Deployment(stack, ckpt, 2, ["--enforce-eager"], logs)}
 
 
 def complete(url, prompt, stream=False, **sampling) -> list[int]:
@@ -101,7 +101,7 @@ def wait_all_free(url: str, seconds: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("k", [1, 2], ids=["k1-eager-decode", "k2-graph-decode"])
+@pytest.mark.parametrize("k", [1, 2], ids=["k1-graph-decode", "k2-eager-decode"])
 @pytest.mark.parametrize("scheme", ["drafts", "hidden"])
 def test_greedy_through_the_proxy_equals_one_engine(ckpt, deployments, k, scheme):
     d = deployments[k]

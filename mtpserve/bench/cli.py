@@ -69,6 +69,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pa.add_argument("--tensor-parallel-sizes", default=None, help="comma list: the same as --layouts tp1,tp2,...")
     pa.add_argument("--batch-sizes", default="1,32", help="comma list")
     pa.add_argument("--quantization", default=None, choices=["fp8", "none"], help="as for generate/serve")
+    ho = sub.add_parser("handoff", help="a decode server's first step after a scheme-2 hand-off: padded graph vs eager")
+    _common(ho, 256, 16)
+    ho.add_argument("--k", type=int, default=1, help="num_speculative_tokens")
     sc = sub.add_parser("scaling", help="a checkpoint's layout over N devices (TP, DP+EP) from its config alone")
     sc.add_argument("--config", default="deepseek-v3", help="'deepseek-v3', a checkpoint dir or a config.json")
     sc.add_argument("--devices", default="8,16", help="comma list of device counts")
@@ -165,6 +168,14 @@ def _parallel(args, path: str) -> dict:
                                 args.input_len, args.output_len, args.num_iters, args.dtype, args.speculative_config,
                                 args.threads or os.cpu_count() or 1, args.quantization)
     parallel.print_parallel(res)
+    return res
+
+
+def _handoff(args, path: str) -> dict:
+    from mtpserve.bench import handoff
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    res = handoff.run_handoff(path, args.k, args.batch_size, args.input_len, args.num_iters, dtype)
+    handoff.print_handoff(res)
     return res
 
 

@@ -135,6 +135,12 @@ def other_table(rec: dict) -> list[str]:
             out += ["", f"Spec decode (from /metrics): acceptance rate {sd['acceptance_rate']:.3f}, mean acceptance "
                         f"length {sd['mean_acceptance_length']:.2f}, per position "
                         f"{[round(x, 3) for x in sd['acceptance_per_position']]}."]
+    elif rec["benchmark"] == "handoff":
+        out += [f"Decode engine in graph mode, MTP k={r['k']}, {r['batch_size']} requests of {r['input_len']} prompt "
+                "tokens handed over at once; their first decode step:", "",
+                "| first step | median ms | p99 ms | graph calls |", "|---|---|---|---|"]
+        for name, s in r["steps"].items():
+            out.append(f"| {name} | {_f(s['ms']['median'])} | {_f(s['ms']['p99'])} | {s['graph_calls']} |")
     elif rec["benchmark"] == "roofline":
         b = r["bytes_per_step"]
         out.append(f"{r['main_model_params'] / 1e6:.0f}M-parameter dense random model, fp32. Memory bandwidth "
@@ -304,7 +310,8 @@ def write_report(paths: list[str], out_path: str, plot_dir: str, intro: str | No
         lines += [intro, ""]
     titles = dict(latency="Latency sweep (`bench latency`)", peers="Peers: transformers generate (`bench peers`)",
                   throughput="Offline throughput (`bench throughput`)", serve="Serving (`bench serve`)",
-                  roofline="Roofline (`bench roofline`)", parallel="Parallel layouts: one process, TP, DP+EP (`bench parallel`)")
+                  roofline="Roofline (`bench roofline`)", parallel="Parallel layouts: one process, TP, DP+EP (`bench parallel`)",
+                  handoff="Disaggregation: the first decode step after a hand-off (`bench handoff`)")
     for rec in recs:
         kind = rec["benchmark"]
         mode = "" if rec.get("measurement_mode", "real") == "real" else " — SYNTHETIC ACCEPTANCE (measurement mode)"

@@ -80,9 +80,12 @@ def export_handoff(engine, req: Request, scheme: str = "drafts") -> Handoff:
                    req.last_hidden.cpu() if scheme == "hidden" else None, engine_identity(engine))
 
 
-def import_handoff(engine, h: Handoff, request_id: str | None = None, params: SamplingParams | None = None) -> None:
+def import_handoff(engine, h: Handoff, request_id: str | None = None, params: SamplingParams | None = None,
+                   pad_drafts: bool = True) -> None:
     """Continues a request prefilled elsewhere: its KV goes into blocks of this engine and it waits to be
-    scheduled like a request that computed its prompt here (preempted, it recomputes from scratch)."""
+    scheduled like a request that computed its prompt here (preempted, it recomputes from scratch).
+    pad_drafts=False leaves a request that came without drafts without placeholders (its first step then
+    verifies nothing and, in graph mode, runs eagerly: what the padding is measured against)."""
     check_identity(engine, h.identity)
     if h.finish_reason is not None:
         raise ValueError(f"handoff: request {h.request_id!r} already finished ({h.finish_reason}) at prefill")
@@ -113,7 +116,7 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     req.draft_token_ids, req.draft_probs = list(h.draft_token_ids), h.draft_probs
     if h.last_hidden is not None:
         req.mtp_prefix_hidden = h.last_hidden.to(engine.device)
-    if not h.draft_token_ids and k and engine.config.speculative.method == "mtp":
+    if pad_drafts and not h.draft_token_ids and k and engine.config.speculative.method == "mtp":
         req.draft_token_ids, req.placeholder_drafts = [0] * k, True
     if h.generator_state is not None:
         req.generator.set_state(h.generator_state)

@@ -1,0 +1,52 @@
+"""`mtpserve bench handoff`: a decode server's first step for requests handed over without drafts (scheme 2),
+padded with placeholder drafts so that it runs as the 1+k graph, against the same step run as the requests
+come (one token each, eagerly); and scheme 1's first step (real drafts, the graph) for reference. In-process
+engines on the same weights (the transfer itself is timed by scripts/bench_disagg.sh)."""
+import time
+
+from mtpserve.bench import common
+from mtpserve.disagg.handoff import import_handoff
+from mtpserve.engine.disagg import prefill
+from mtpserve.engine.engine import LLMEngine
+from mtpserve.sampling_params import SamplingParams
+
+
+def run_handoff(path: str, k: int, batch: int, input_len: int, num_iters: int, dtype: str) -> dict:
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    prefill_engine = LLMEngine.from_kwargs(path, spec, dtype=dtype, enforce_eager=True)
+    decode = LLMEngine.from_kwargs(path, spec, dtype=dtype, enforce_eager=False, graph_batch_sizes=[batch])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = common.make_prompts(batch, input_len, decode.model_config.vocab_size, decode.tokenizer, seed=1)
+    handoffs = {scheme: [prefill(prefill_engine, f"{scheme}{i}", None, p, params, scheme)
+                         for i, p in enumerate(prompts)] for scheme in ("drafts", "hidden")}
+    cases = {"scheme 2, padded (graph)": ("hidden", True), "scheme 2, as they come (eager)": ("hidden", False),
+             "scheme 1, real drafts (graph)": ("drafts", True)}
+    graphs = decode.runner.graphs
+    run_graph, graph_runs = graphs.run, [0]
+
+    def counting(*args, **kwargs):
+        graph_runs[0] += 1
+        return run_graph(*args, **kwargs)
+    graphs.run = counting
+    times = {name: [] for name in cases}
+    graph_calls = {}
+    for it in range(num_iters + 1):   # the first round warms up
+        for name, (scheme, pad) in cases.items():   # interleaved
+            ids = [f"{it}-{scheme}-{pad}-{i}" for i in range(batch)]
+            for rid, h in zip(ids, handoffs[scheme]):
+                import_handoff(decode, h, rid, params, pad_drafts=pad)
+            graph_runs[0] = 0
+            start = time.perf_counter()
+            decode.step()
+            if it:
+                times[name].append(time.perf_counter() - start)
+            graph_calls[name] = graph_runs[0]
+            for rid in ids:
+                decode.abort_request(rid)
+    return dict(k=k, batch_size=batch, input_len=input_len,
+                steps={name: dict(ms=common.summarize(times[name]), graph_calls=graph_calls[name]) for name in cases})
+
+
+def print_handoff(res: dict) -> None:
+    for name, s in res["steps"].items():
+        print(f"{name}: {s['ms']['median']:.2f} ms (median), {s['graph_calls']} graph calls")
