@@ -51,4 +51,5 @@ $B report --results $R/latency_b1_float32.json $R/latency_b1_bfloat16.json $R/la
   $R/parallel_300m_bf16.json $R/parallel_300m_fp8.json $R/parallel_default_mtp_k1.json \
   $R/parallel_300m_moe_bf16.json $R/parallel_default_dp_ep_mtp_k1.json \
   $R/disagg_colocated_2cores.json $R/disagg_1p1d_drafts.json $R/disagg_1p1d_hidden.json \
+  $R/handoff_first_step_k1_b8.json $R/handoff_first_step_k2_b8.json \
   --out docs/BENCHMARKS.md --plot-dir docs --notes mtpserve/bench/notes.md

@@ -27,3 +27,8 @@ for scheme in drafts hidden; do   # fresh servers per scheme: their /metrics cou
     > $R/disagg_1p1d_${scheme}_decode_metrics.txt
   kill $X $P $D; wait $X $P $D || true
 done
+# The decode side's first step after a scheme-2 hand-off: padded graph vs eager target step (in-process)
+for k in 1 2; do
+  mtpserve bench handoff --k $k --batch-size 8 --input-len 256 --num-iters 5 --threads 2 \
+    --output-json $R/handoff_first_step_k${k}_b8.json
+done

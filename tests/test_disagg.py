@@ -135,3 +135,23 @@ def test_kv_transfer_config_errors_name_the_field(text, message):
     from mtpserve.disagg.connector import KVTransferConfig
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         KVTransferConfig.from_json(text)
+
+
+def test_scheme2_without_padding_equals_single_engine(ckpt):
+    """The unpadded first step (one token, no drafts; what the padding is measured against) is lossless too."""
+    import torch
+    from mtpserve.disagg.handoff import import_handoff
+    prompts = pattern_batch(torch.Generator().manual_seed(2), 3, 9).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    spec = {"num_speculative_tokens": 2}
+    single = LLMEngine.from_kwargs(ckpt, spec)
+    for i, p in enumerate(prompts):
+        single.add_request(str(i), None, p, params)
+    want = run_to_end(single)
+    prefill_engine, decode_engine = LLMEngine.from_kwargs(ckpt, spec), LLMEngine.from_kwargs(ckpt, spec)
+    for i, p in enumerate(prompts):
+        import_handoff(decode_engine, prefill(prefill_engine, str(i), None, p, params, scheme="hidden"),
+                       pad_drafts=False)
+        assert not decode_engine.requests[str(i)].placeholder_drafts
+    assert run_to_end(decode_engine) == want
+    assert decode_engine.num_padded_handoff_steps == 0

@@ -19,7 +19,7 @@ def run_handoff(path: str, k: int, batch: int, input_len: int, num_iters: int, d
     prompts = common.make_prompts(batch, input_len, decode.model_config.vocab_size, decode.tokenizer, seed=1)
     handoffs = {scheme: [prefill(prefill_engine, f"{scheme}{i}", None, p, params, scheme)
                          for i, p in enumerate(prompts)] for scheme in ("drafts", "hidden")}
-    cases = {"scheme 2, padded (graph)": ("hidden", True), "scheme 2, as they come (eager)": ("hidden", False),
+    cases = {"scheme 2, padded (graph)": ("hidden", True), "scheme 2, as they come (eager target step)": ("hidden", False),
              "scheme 1, real drafts (graph)": ("drafts", True)}
     graphs = decode.runner.graphs
     run_graph, graph_runs = graphs.run, [0]
