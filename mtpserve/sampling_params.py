@@ -3,6 +3,14 @@ import math
 from dataclasses import dataclass
 
 
+def _as_float(x) -> float:
+    """x as a float; an integer too large for one is infinite (so that the range checks refuse it)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -32,12 +40,12 @@ class SamplingParams:
             raise ValueError(f"{name} = {getattr(self, name)!r}: {why}")
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
             bad("n", "must be an integer in [1, 128]")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+        if not isinstance(self.temperature, (int, float)) or not 0 <= _as_float(self.temperature) < math.inf:
             bad("temperature", "must be a finite number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not isinstance(self.top_p, (int, float)) or not 0 < _as_float(self.top_p) <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:
+            bad("top_k", "must be -1 (off), 0 (off) or a positive integer below 2^31")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be a positive integer")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63 - 128):

@@ -266,3 +266,20 @@ def test_block_beats_token_random_chain():
     for seed in range(20, 30):  # optimality: never worse in expectation
         e_tok, e_blk = expected_lengths(*[t.tolist() for t in chain(4, seed)], k=2)
         assert e_blk >= e_tok - 1e-12
+
+
+def test_extreme_sampling_values_are_refused_or_safe():
+    """One hostile request must not break a batch: huge numbers are refused naming the field, and a tiny
+    temperature samples (no NaN) like greedy."""
+    import math
+
+    from mtpserve import SamplingParams
+    from mtpserve.sampling.sampler import logits_to_probs
+    for field, value in (("top_k", 9223372036854775808), ("temperature", 10 ** 400), ("top_p", 10 ** 400),
+                         ("temperature", math.inf)):
+        with pytest.raises(ValueError, match=f"^{field} = "):
+            SamplingParams(**{field: value})
+    logits = torch.tensor([[3.0, 1.0, -2.0], [0.5, 0.4, 0.1]])
+    probs = logits_to_probs(logits, torch.tensor([1e-40, 1.0]), torch.tensor([-1, -1]), torch.tensor([1.0, 1.0]))
+    assert not probs.isnan().any()
+    assert probs[0].tolist() == [1.0, 0.0, 0.0]

@@ -7,6 +7,9 @@ E ~ Exp(1) i.i.d. is a draw from p, and greedy requests (one-hot p) get their ar
 import torch
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor) -> torch.Tensor:
     """logits [M, V]; per-row temperature (0 = greedy), top_k (<= 0 = off), top_p -> probs [M, V] (fp32)."""
@@ -14,7 +17,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     greedy = temperature == 0
     if bool(greedy.all()):
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    # (a temperature below 1e-5 samples like greedy, and dividing by it could overflow float32 to inf - inf = NaN)
+    scaled = logits / torch.where(greedy, 1.0, temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(-1)
     if bool(((top_k > 0) | (top_p < 1)).any()):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
