@@ -145,6 +145,7 @@ class SpeculativeConfig:
     verification: str = "token"             # "token" | "block"
     scorer: str = "mqa"                     # "mqa" | "batch_expansion"
     synthetic_acceptance: float | None = None  # measurement mode only (bench); never lossless
+    allow_lossy_measurement: bool = False      # the explicit opt-in synthetic_acceptance needs (bench sets it)
     draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec/draft_vocab.py)
     prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (4 when not given)
     prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
@@ -171,6 +172,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16]")
         if cfg.synthetic_acceptance is not None and not 0.0 <= cfg.synthetic_acceptance <= 1.0:
             raise ValueError("speculative_config.synthetic_acceptance must be in [0, 1]")
+        if cfg.synthetic_acceptance is not None and cfg.allow_lossy_measurement is not True:
+            raise ValueError("speculative_config.synthetic_acceptance: a benchmark measurement mode whose output is "
+                             "NOT the model's (drafts pass by coin flip); it needs \"allow_lossy_measurement\": true "
+                             "(mtpserve bench --synthetic-acceptance sets it)")
         only_for = {"draft_vocab_size": "mtp", "prompt_lookup_max": "ngram", "prompt_lookup_min": "ngram"}
         for name, method in only_for.items():
             if getattr(cfg, name) is not None and cfg.method != method:

@@ -184,13 +184,20 @@ def test_mtp_output_index_equals_full_pass(random_ckpt):
 
 def test_synthetic_acceptance_rate_is_what_was_asked(random_ckpt):
     """Measurement mode: each draft passes with the given probability, greedy requests included."""
-    spec = {"num_speculative_tokens": 2, "synthetic_acceptance": 0.5}
+    spec = {"num_speculative_tokens": 2, "synthetic_acceptance": 0.5, "allow_lossy_measurement": True}
     llm = LLM(random_ckpt, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     llm.generate(prompt_token_ids=[[5, 6, 7]] * 16, sampling_params=params, use_tqdm=False)
     m = llm.get_metrics()
     first, second = (a / m["num_drafts"] for a in m["accepted_per_position"])
     assert 0.4 < first < 0.6 and 0.15 < second < 0.35
+
+
+
+def test_synthetic_acceptance_needs_its_explicit_opt_in(random_ckpt):
+    """A lossy measurement mode is refused by LLM (and serve, which builds the same config) unless asked for."""
+    with pytest.raises(ValueError, match="synthetic_acceptance: a benchmark measurement mode .*allow_lossy_measurement"):
+        LLM(random_ckpt, speculative_config={"num_speculative_tokens": 2, "synthetic_acceptance": 0.5})
 
 
 def dense_drafts(model, tokens: list[int], k: int) -> list[int]:

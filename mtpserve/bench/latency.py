@@ -18,7 +18,7 @@ def spec_dict(k: int, scorer: str, base: dict | None, synthetic: float | None, d
     d = dict(base or {"method": "mtp"})
     d.update(num_speculative_tokens=k, scorer=scorer)
     if synthetic is not None:
-        d["synthetic_acceptance"] = synthetic
+        d.update(synthetic_acceptance=synthetic, allow_lossy_measurement=True)
     if draft_vocab:
         d["draft_vocab_size"] = draft_vocab
     return d
