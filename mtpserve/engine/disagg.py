@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation between two engines in one process (the seed's scheme 1, as plain objects).
+"""Prefill/decode disaggregation between two engines in one process (either scheme, as plain objects).
 
 `prefill` runs a request on one engine until its first token (with the MTP prefill and the first drafts) and
 returns the hand-off; `add_prefilled` continues it on another. Between servers the same hand-off travels over
