@@ -19,6 +19,19 @@ def kill_workers() -> None:
             pass
 
 
+REFERENCES: dict = {}
+
+
+def reference(path, **kw):
+    """One single-process fp32 LLM per (checkpoint, configuration) for the session (its acceptance counts add up
+    over uses)."""
+    from mtpserve import LLM
+    key = (path, repr(sorted(kw.items())))
+    if key not in REFERENCES:
+        REFERENCES[key] = LLM(model=path, dtype="float32", **kw)
+    return REFERENCES[key]
+
+
 def record_workers(llm):
     STARTED.extend(p.pid for _, p in llm.engine.executor.workers)
     return llm

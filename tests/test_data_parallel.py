@@ -24,27 +24,20 @@ from mtpserve.executor.multiproc import WorkerFailedError
 from mtpserve.model.checkpoint import tiny_config, write_random_checkpoint
 from mtpserve.model.loader import LoadStats, load_model
 from mtpserve.model.parallel import ExpertParallel
-from rank_processes import STARTED, count_graph_runs, end_workers, record_workers, watchdog  # noqa: F401
+from rank_processes import (STARTED, count_graph_runs, end_workers, record_workers, reference,  # noqa: F401
+                             watchdog)
 from tiny_models import trained_checkpoint
+
 
 PROMPTS = [[5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [20, 21, 22], [3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36],
            [40, 38, 36, 34]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 K3 = {"method": "mtp", "num_speculative_tokens": 3}   # chained over the checkpoint's 2 MTP layers
-REFERENCES: dict = {}
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return trained_checkpoint(tmp_path_factory.mktemp("dp") / "m", num_mtp_layers=2)
-
-
-def reference(path, **kw) -> LLM:
-    """One single-process LLM per configuration for the module (its acceptance counts add up over uses)."""
-    key = (path, repr(sorted(kw.items())))
-    if key not in REFERENCES:
-        REFERENCES[key] = LLM(model=path, dtype="float32", **kw)
-    return REFERENCES[key]
 
 
 def data_parallel(path, **kw) -> LLM:

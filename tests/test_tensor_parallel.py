@@ -24,18 +24,9 @@ from mtpserve.executor.multiproc import WorkerFailedError
 from mtpserve.model.checkpoint import write_random_checkpoint
 from mtpserve.model.loader import LoadStats, load_model, quantize_fp8_blockwise
 from mtpserve.model.parallel import TensorParallel, shard_kind, shard_slices
-from rank_processes import STARTED, count_graph_runs, end_workers, record_workers, watchdog  # noqa: F401
+from rank_processes import (STARTED, count_graph_runs, end_workers, record_workers, reference,  # noqa: F401
+                             watchdog)
 from tiny_models import trained_checkpoint
-
-REFERENCES: dict = {}
-
-
-def reference(path, **kw) -> LLM:
-    """One single-process LLM per configuration for the whole module."""
-    key = (path, repr(sorted(kw.items())))
-    if key not in REFERENCES:
-        REFERENCES[key] = LLM(model=path, dtype="float32", **kw)
-    return REFERENCES[key]
 
 
 def tensor_parallel(path, **kw) -> LLM:

@@ -42,9 +42,10 @@ class LLMEngine:
         self.runner = self.executor.runner          # this process's rank (rank 0)
         self.model = self.runner.model
         self.device, self.dtype = self.runner.device, setup.dtype
-        cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size), cfg.max_num_seqs,
-                           cfg.max_num_batched_tokens, self.num_lookahead_slots) for _ in range(cfg.data_parallel_size)]
-        self.scheduler = cores[0] if len(cores) == 1 else DataParallelScheduler(cores)
+        self.cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size), cfg.max_num_seqs,
+                                cfg.max_num_batched_tokens, self.num_lookahead_slots)
+                      for _ in range(cfg.data_parallel_size)]   # one scheduler per data-parallel rank
+        self.scheduler = self.cores[0] if len(self.cores) == 1 else DataParallelScheduler(self.cores)
         self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)
         self.use_graphs = self.runner.graphs is not None
         self.graph_warmup_seconds = self.runner.graphs.compile_seconds if self.use_graphs else 0.0
@@ -219,7 +220,7 @@ class LLMEngine:
         return self.spec_metrics.as_dict() if self.spec_metrics else SpecDecodeMetrics(0).as_dict()
 
     def get_stats(self) -> dict:
-        cores = self.scheduler.cores if isinstance(self.scheduler, DataParallelScheduler) else [self.scheduler]
+        cores = self.cores
         per_rank = [dict(rank=i, num_running=len(c.running), num_waiting=len(c.waiting), kv_usage=c.block_manager.usage,
                          num_free_blocks=c.block_manager.num_free_blocks, num_total_blocks=c.block_manager.num_blocks)
                     for i, c in enumerate(cores)]
