@@ -117,7 +117,7 @@ def test_handoff_survives_the_wire(ckpt):
     back = decode([bytes(f) for f in frames])
     assert back.kv[0].dtype == torch.bfloat16 and len(back.kv) == len(h.kv)
     assert all(torch.equal(a, b) for a, b in zip(back.kv, h.kv))
-    assert torch.equal(back.last_hidden, h.last_hidden) and torch.equal(back.generator_state, h.generator_state)
+    assert torch.equal(back.last_hidden, h.last_hidden)
     assert (back.prompt_token_ids, back.output_token_ids, back.identity) == (h.prompt_token_ids, h.output_token_ids,
                                                                             h.identity)
 

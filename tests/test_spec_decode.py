@@ -74,6 +74,25 @@ def test_greedy_with_chunked_prefill_and_preemption(trained1, k):
     check_metrics(m, k)
 
 
+def test_seeded_sampling_same_with_speculation_and_preemption(trained1):
+    """A seeded request's draws are keyed on its token positions, and argmax drafts are verified by coupling
+    (spec/verify.py): its sampled tokens are those of plain sampling with the same seed, with or without
+    speculation, with or without preemption."""
+    prompts = prompts_for()
+    params = [SamplingParams(temperature=0.8, top_k=40, seed=100 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    tight = dict(max_num_batched_tokens=8, num_kv_blocks=18, block_size=4)
+    outputs = []
+    for spec, kw in [(None, {}), (None, tight), ({"num_speculative_tokens": 2}, {}),
+                     ({"num_speculative_tokens": 2}, tight)]:
+        llm = LLM(trained1, speculative_config=spec, **kw)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outputs.append([o.outputs[0].token_ids for o in outs])
+        assert (llm.engine.get_stats()["num_preemptions"] > 0) == bool(kw)
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0] and outputs[3] == outputs[0]
+    assert len({tuple(o) for o in outputs[0]}) == len(prompts)
+
+
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_three_mtp_layers(trained3, k):
     prompts = prompts_for()
@@ -124,17 +143,21 @@ def exact_joint(path, prompt, params, n_tokens):
 
 @pytest.mark.parametrize("spec", [
     {"num_speculative_tokens": 2},
+    {"num_speculative_tokens": 2, "seeded": True},
     {"num_speculative_tokens": 2, "verification": "block"},
     {"num_speculative_tokens": 1, "draft_sampling": "greedy"},
     {"num_speculative_tokens": 2, "draft_sampling": "greedy", "verification": "block"},
     {"num_speculative_tokens": 2, "draft_vocab_size": 3},
     {"method": "ngram", "num_speculative_tokens": 2},
     {"method": "ngram", "num_speculative_tokens": 2, "verification": "block"},
-], ids=["token-prob", "block-prob", "token-greedydraft", "block-greedydraft", "token-prob-draftvocab", "token-ngram",
+], ids=["token-prob", "coupled-prob-seeded", "block-prob", "token-greedydraft", "block-greedydraft", "token-prob-draftvocab", "token-ngram",
         "block-ngram"])
 def test_sampling_is_lossless(tmp_path_factory, spec):
     """Chi-square of the first two generated tokens over many seeded requests against the exact joint
-    distribution computed from the model itself (vocab 6, so 36 cells)."""
+    distribution computed from the model itself (vocab 6, so 36 cells). "seeded": every request has its own
+    seed (coupled verification of sampled drafts, spec/verify.py), else all draw from the engine's generator."""
+    spec = dict(spec)
+    seeded = spec.pop("seeded", False)
     path = random_checkpoint(tmp_path_factory.mktemp("v6"), vocab_size=6, eos_token_id=None, bos_token_id=None)
     if "draft_vocab_size" in spec:   # drafts from tokens 0, 2, 4 only
         write_frequencies(path, [5, 1, 4, 2, 6, 3], "test counts")
@@ -143,7 +166,8 @@ def test_sampling_is_lossless(tmp_path_factory, spec):
     joint = exact_joint(path, prompt, params, 2)
     num = 3000
     llm = LLM(path, speculative_config=spec, max_num_seqs=512, max_num_batched_tokens=4096, seed=11)
-    outs = llm.generate(prompt_token_ids=[prompt] * num, sampling_params=params, use_tqdm=False)
+    each = [SamplingParams(**{**vars(params), "seed": i}) for i in range(num)] if seeded else params
+    outs = llm.generate(prompt_token_ids=[prompt] * num, sampling_params=each, use_tqdm=False)
     counts = {seq: 0 for seq in joint}
     for o in outs:
         counts[tuple(o.outputs[0].token_ids)] += 1

@@ -9,7 +9,8 @@ input, the first token, was only known after the prefill) and the main model's h
 side's first step pads the request with placeholder drafts (always rejected: the step keeps its 1+k shape and
 runs as a graph) and its MTP pass starts one position early, fed that hidden state.
 
-Both carry the request's RNG state, so a seeded request continues its random stream.
+A seeded request needs no RNG state: its draws are keyed on its seed and token positions (sampling/sampler.py),
+so the decode side continues its random stream from the seed alone.
 """
 from dataclasses import dataclass, field
 
@@ -32,7 +33,6 @@ class Handoff:
     kv: list[torch.Tensor]                # per cache (main layers, then MTP layers): [positions, kv_dim]
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None
-    generator_state: torch.Tensor | None  # a seeded request's RNG continues where prefill left it
     finish_reason: str | None = None      # set when the request already ended at its first token
     last_hidden: torch.Tensor | None = None   # scheme 2: hidden state at the last prompt position
     identity: dict = field(default_factory=dict)   # what the decode engine must match (engine_identity)
@@ -75,7 +75,6 @@ def export_handoff(engine, req: Request, scheme: str = "drafts") -> Handoff:
     drafts = list(req.draft_token_ids) if scheme == "drafts" else []
     return Handoff(req.request_id, req.prompt, list(req.prompt_token_ids), req.params, list(req.output_token_ids),
                    kv, drafts, req.draft_probs if drafts else None,
-                   req.generator.get_state() if req.generator is not None else None,
                    req.finish_reason if req.finish_reason == "stop" else None,
                    req.last_hidden.cpu() if scheme == "hidden" else None, engine_identity(engine))
 
@@ -118,5 +117,4 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
         req.mtp_prefix_hidden = h.last_hidden.to(engine.device)
     if pad_drafts and not h.draft_token_ids and k and engine.config.speculative.method == "mtp":
         req.draft_token_ids, req.placeholder_drafts = [0] * k, True
-    if h.generator_state is not None:
-        req.generator.set_state(h.generator_state)
+

@@ -39,7 +39,7 @@ def _tensor(meta: dict, frame) -> torch.Tensor:
 
 def encode(h: Handoff) -> list:
     tensors = {f"kv{i}": t for i, t in enumerate(h.kv)}
-    for name in ("draft_probs", "generator_state", "last_hidden"):
+    for name in ("draft_probs", "last_hidden"):
         if getattr(h, name) is not None:
             tensors[name] = getattr(h, name)
     header = dict(request_id=h.request_id, prompt=h.prompt, prompt_token_ids=h.prompt_token_ids,
@@ -56,7 +56,7 @@ def decode(frames: list) -> Handoff:
     kv = [tensors[f"kv{i}"] for i in range(sum(n.startswith("kv") for n in tensors))]
     return Handoff(header["request_id"], header["prompt"], header["prompt_token_ids"], None,
                    header["output_token_ids"], kv, header["draft_token_ids"], tensors.get("draft_probs"),
-                   tensors.get("generator_state"), header["finish_reason"], tensors.get("last_hidden"),
+                   header["finish_reason"], tensors.get("last_hidden"),
                    header["identity"])
 
 

@@ -7,7 +7,7 @@ from mtpserve.config import EngineConfig
 from mtpserve.engine.detokenizer import detokenize_incrementally
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, seeded_generator
+from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, request_seed
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
@@ -97,9 +97,9 @@ class LLMEngine:
                              f"the KV cache ({self.block_manager.num_blocks} blocks of {self.config.block_size})")
         children = []
         for i in range(params.n):
-            gen = seeded_generator(params, i, self.device)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, prompt, list(token_ids), params, params.max_tokens or room, gen, i, request_id)
+            req = Request(child_id, prompt, list(token_ids), params, params.max_tokens or room,
+                          request_seed(params, i), i, request_id)
             req.hold_kv = hold_kv
             children.append(req)
             self.requests[child_id] = req
@@ -230,5 +230,6 @@ class LLMEngine:
         if len(cores) > 1:
             stats["data_parallel_ranks"] = per_rank
         stats["num_held_kv_requests"] = sum(len(c.held) for c in cores)
+        stats["num_preemptions"] = sum(c.num_preemptions for c in cores)
         stats["num_padded_handoff_steps"] = self.num_padded_handoff_steps
         return stats

@@ -30,7 +30,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int                                  # resolved against max_model_len
-    generator: torch.Generator | None = None         # per-request seed
+    seed: int | None = None                          # params.seed + index: keys this completion's draws
     index: int = 0                                   # which of the parent's n completions
     parent_id: str | None = None
     status: RequestStatus = RequestStatus.WAITING
@@ -66,11 +66,9 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
 
-def seeded_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
-    """The generator of completion `index` of a seeded request (None: unseeded, the engine's generator)."""
-    if params.seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(params.seed + index)
+def request_seed(params: SamplingParams, index: int) -> int | None:
+    """The seed of completion `index` of a seeded request (None: unseeded, the engine's generator)."""
+    return None if params.seed is None else params.seed + index
 
 
 @dataclass

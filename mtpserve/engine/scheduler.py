@@ -38,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}   # finished, KV kept for a decode server to pull (disagg/)
+        self.num_preemptions = 0             # cumulative
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -100,6 +101,7 @@ class Scheduler:
         req.draft_token_ids, req.draft_probs = [], None
         req.placeholder_drafts, req.mtp_prefix_hidden = False, None   # (recomputed from scratch)
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:

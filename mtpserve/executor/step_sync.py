@@ -2,7 +2,7 @@
 
 Every rank runs the same `ModelRunner.execute` on the same batch, so every rank samples, verifies and drafts
 the same tokens: logits are gathered whole on each rank and the random draws come from generators seeded
-alike and drawn in the same order (the engine's, and each seeded request's). A worker therefore needs only
+alike (the engine's, drawn in the same order, and each seeded request's, keyed on its seed and position). A worker therefore needs only
 what its runner reads: each scheduled request's position, drafts, block table, the tokens it has not seen yet
 (new prompts; tokens the front appended), and, once, its sampling parameters. Draft distributions are never
 sent: each rank computed the same ones itself.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mtpserve.engine.request import Request, seeded_generator
+from mtpserve.engine.request import Request, request_seed
 from mtpserve.engine.scheduler import ScheduledRequest
 
 
@@ -77,7 +77,7 @@ class RequestMirror:
             if item.first_seen is not None:
                 params, index = item.first_seen
                 self.requests[item.request_id] = Request(item.request_id, None, [], params, 0,
-                                                         seeded_generator(params, index, self.device), index)
+                                                         request_seed(params, index), index)
             req = self.requests[item.request_id]
             req.output_token_ids += item.new_token_ids
             req.block_ids = item.block_ids

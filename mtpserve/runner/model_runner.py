@@ -9,10 +9,11 @@ from mtpserve.engine.scheduler import ScheduledRequest
 from mtpserve.runner.batch import Row, build_batch
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.graphs import GraphRunner
-from mtpserve.sampling.sampler import draw, logits_to_probs, sample, sampling_tensors
+from mtpserve.sampling.sampler import (ACCEPT_UNIFORM, TARGET_NOISE, draw, logits_to_probs, sample,
+                                       sampling_tensors)
 from mtpserve.spec.ngram import NgramProposer
 from mtpserve.spec.proposer import MTPProposer
-from mtpserve.spec.verify import verify_tokens
+from mtpserve.spec.verify import coupled_rows, verify_tokens
 
 
 @dataclass
@@ -197,9 +198,9 @@ class ModelRunner:
             tokens = self.model.compute_logits(last_hidden).argmax(-1)
         else:
             probs = self._target_probs(reqs, last_hidden, None)
-            noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator,
-                         self.device, [r.params.greedy for r in reqs])
-            tokens = sample(probs, noise)
+            noise = draw([r.seed for r in reqs], [r.num_tokens for r in reqs], 1, probs.shape[-1], "exponential",
+                         TARGET_NOISE, self.generator, self.device, [r.params.greedy for r in reqs])
+            tokens = sample(probs, noise[:, 0])
         for j, (i, token) in enumerate(zip(idx, tokens.tolist())):
             results[i].new_token_ids = [token]
             if scheduled[i].req.hold_kv:   # a prefill server may ship it (disagg scheme 2)
@@ -218,18 +219,24 @@ class ModelRunner:
             accepted = (drafts == target_ids[:, :k]).long().cumprod(-1).sum(-1)
             return self._record(idx, target_ids, self._reject_placeholders(reqs, accepted), k, results, reqs)
         target = self._target_probs(reqs, hidden[rows], [k + 1] * len(idx)).view(len(idx), k + 1, -1)
-        gens = [r.generator for r in reqs]
+        seeds, positions = [r.seed for r in reqs], [r.num_tokens for r in reqs]
         greedy = [r.params.greedy for r in reqs]
         synthetic = self.spec.synthetic_acceptance is not None   # its coin flips are real even for greedy rows
-        uniforms = draw(gens, (k,), "uniform", self.generator, self.device, None if synthetic else greedy)
-        noise = draw(gens, (k + 1, target.shape[-1]), "exponential", self.generator, self.device, greedy)
+        draft_probs = None
+        if not synthetic and self.spec.draft_sampling == "probabilistic" and any(r.draft_probs is not None for r in reqs):
+            draft_probs = stack_draft_probs(reqs, drafts, target.shape[-1])
+        coupled = coupled_rows(draft_probs, self.spec.verification, [s is not None for s in seeds])
+        uniforms = None
+        if synthetic or not all(coupled):
+            uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, self.generator, self.device,
+                            None if synthetic else greedy)[..., 0]
+        noise = draw(seeds, positions, k + 1, target.shape[-1], "exponential", TARGET_NOISE, self.generator,
+                     self.device, greedy)
         if synthetic:
             tokens, accepted = self._synthetic(drafts, target, uniforms, noise)
         else:
-            draft_probs = None
-            if self.spec.draft_sampling == "probabilistic" and any(r.draft_probs is not None for r in reqs):
-                draft_probs = stack_draft_probs(reqs, drafts, target.shape[-1])
-            tokens, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise, self.spec.verification)
+            tokens, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise, self.spec.verification,
+                                             coupled)
             placeholder = [b for b, r in enumerate(reqs) if r.placeholder_drafts]
             if placeholder:   # the token after the pending one, drawn from the target alone: a plain sample
                 tokens[placeholder, 0] = sample(target[placeholder, 0], noise[placeholder, 0])

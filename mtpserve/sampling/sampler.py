@@ -1,7 +1,8 @@
 """Turning logits into the distributions tokens are drawn from, and per-request random draws.
 
-Every request draws its randomness from its own generator when it has a seed, so its samples do not
-depend on what else is in the batch. Tokens are drawn by the exponential race: argmax(p / E) with
+A seeded request draws the randomness for each token position from a generator keyed on its seed and that
+position, so its samples depend neither on what else is in the batch nor on how its steps were cut
+(speculation, preemption, chunking). Tokens are drawn by the exponential race: argmax(p / E) with
 E ~ Exp(1) i.i.d. is a draw from p, and greedy requests (one-hot p) get their argmax for any E.
 """
 import torch
@@ -37,20 +38,39 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return probs
 
 
-def draw(generators: list, shape: tuple, kind: str, default: torch.Generator, device,
-         greedy: list[bool] | None = None) -> torch.Tensor:
-    """[len(generators), *shape] draws ("uniform" in [0,1) or "exponential" Exp(1)); row i from generators[i]
-    when it is a seeded request's generator, else from the engine's default generator. Greedy rows need no
-    randomness (their distributions are one-hot) and get 0 (uniform) or 1 (exponential), drawing nothing:
-    U = 0 accepts a draft exactly when it is the target's argmax."""
-    out = torch.full((len(generators), *shape), 0.0 if kind == "uniform" else 1.0, device=device)
-    greedy = greedy or [False] * len(generators)
-    unseeded = [i for i, (g, gr) in enumerate(zip(generators, greedy)) if g is None and not gr]
-    for i, (g, gr) in enumerate(zip(generators, greedy)):
-        if g is not None and not gr:
-            _fill(out[i], kind, g)
+_MASK64 = (1 << 64) - 1
+# What a seeded draw is for: one stream per (seed, token position, purpose).
+TARGET_NOISE, ACCEPT_UNIFORM = 0, 1
+
+
+def keyed_seed(seed: int, position: int, purpose: int) -> int:
+    """The generator seed of one draw of a seeded request: splitmix64 of (seed, position, purpose), so the draw
+    depends on the request's seed and the token position only, not on how the engine cut its steps (CPU
+    generators keep the low 32 bits, which the finaliser mixes from all the input bits)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + purpose * 0x8CB92BA72F3D8DD7 + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw(seeds: list, positions: list[int], slots: int, width: int, kind: str, purpose: int,
+         default: torch.Generator, device, greedy: list[bool] | None = None) -> torch.Tensor:
+    """[len(seeds), slots, width] draws ("uniform" in [0,1) or "exponential" Exp(1)). Row i, slot j is for the
+    token at position positions[i] + j: a seeded request (seeds[i] not None) draws it from a generator keyed
+    on (seed, position, purpose), so the same position always gets the same draw (with or without
+    speculation, preemption, batching); unseeded rows draw from the engine's default generator. Greedy rows
+    need no randomness (their distributions are one-hot) and get 0 (uniform) or 1 (exponential), drawing
+    nothing: U = 0 accepts a draft exactly when it is the target's argmax."""
+    out = torch.full((len(seeds), slots, width), 0.0 if kind == "uniform" else 1.0, device=device)
+    greedy = greedy or [False] * len(seeds)
+    unseeded = [i for i, (s, gr) in enumerate(zip(seeds, greedy)) if s is None and not gr]
+    for i, (seed, gr) in enumerate(zip(seeds, greedy)):
+        if seed is not None and not gr:
+            for j in range(slots):
+                gen = torch.Generator(device=device).manual_seed(keyed_seed(seed, positions[i] + j, purpose))
+                _fill(out[i, j], kind, gen)
     if unseeded:
-        block = torch.empty(len(unseeded), *shape, device=device)
+        block = torch.empty(len(unseeded), slots, width, device=device)
         _fill(block, kind, default)
         out[unseeded] = block
     return out

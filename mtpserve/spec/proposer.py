@@ -13,7 +13,7 @@ written past the accepted length are never read before being overwritten.
 import torch
 
 from mtpserve.runner.batch import Row
-from mtpserve.sampling.sampler import draw, logits_to_probs, sample, sampling_tensors
+from mtpserve.sampling.sampler import TARGET_NOISE, draw, logits_to_probs, sample, sampling_tensors
 
 
 class MTPProposer:
@@ -63,7 +63,8 @@ class MTPProposer:
             return
         prev_hidden = out[[last[i] for i in drafting]] if chain else out[drafting]
         reqs = [scheduled[i].req for i in drafting]
-        token, probs = self._draft(0, prev_hidden, reqs)
+        draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
+        token, probs = self._draft(0, prev_hidden, reqs, draft_positions)
         drafts, draft_probs = [token], [probs]
         next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
                     for i in drafting]
@@ -90,7 +91,7 @@ class MTPProposer:
                 step_rows = [Row([t], p, scheduled[i].req.block_ids)
                              for i, t, p in zip(drafting, drafts[-1].tolist(), next_pos)]
                 prev_hidden = self.forward(f"mtp{layer}", step_rows, prev_hidden)
-            token, probs = self._draft(layer, prev_hidden, reqs)
+            token, probs = self._draft(layer, prev_hidden, reqs, [p + j for p in draft_positions])
             drafts.append(token)
             draft_probs.append(probs)
             next_pos = [p + 1 for p in next_pos]
@@ -100,7 +101,7 @@ class MTPProposer:
             if draft_probs[0] is not None:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs])
 
-    def _draft(self, layer, hidden, reqs):
+    def _draft(self, layer, hidden, reqs, positions):
         """Drafts one token per request, and the distribution it was drawn from over the whole vocabulary.
         With a draft vocabulary the head scores only its tokens: drafts are mapped back to token ids and the
         distribution is zero elsewhere (exactly what was sampled from, so verification stays lossless)."""
@@ -110,9 +111,10 @@ class MTPProposer:
             token = logits.argmax(-1)   # one-hot drafts: no distribution to keep
             return (token if vocab is None else vocab[token]), None
         probs = logits_to_probs(logits, *sampling_tensors(reqs, None, self.device))
-        noise = draw([r.generator for r in reqs], (probs.shape[-1],), "exponential", self.generator, self.device,
-                     [r.params.greedy for r in reqs])
-        token = sample(probs, noise)
+        # a seeded request's draft gets the noise its slot will be verified with (coupled verification, spec/verify.py)
+        noise = draw([r.seed for r in reqs], positions, 1, probs.shape[-1], "exponential", TARGET_NOISE, self.generator,
+                     self.device, [r.params.greedy for r in reqs])
+        token = sample(probs, noise[:, 0])
         if vocab is None:
             return token, probs
         full = probs.new_zeros(probs.shape[0], self.model.config.vocab_size).index_copy_(1, vocab, probs)

@@ -27,7 +27,17 @@ file's 0-based indexing with i = number of drafts in the candidate prefix (i = 1
 Block verification is exact and maximises the expected number of accepted drafts; it is never worse than
 token-wise verification. With k = 1 the two coincide.
 
-Both methods end in the same step: emit a draw from normalize(max(w * p_t - q_t, 0)) at slot t, with w = 1,
+Coupled verification: the token at every slot is the exponential-race draw argmax(p_j / E_j), and d_j is
+accepted while it equals that draw. The emitted tokens are exactly what plain sampling with the same noise
+would emit, so the rule is lossless for any drafts; it is used where it loses nothing or where it is needed:
+  - argmax drafts (q_j one-hot at d_j) under token-wise verification: P(accept) = p_j(d_j) and, after a
+    rejection, the draw is p_j without d_j, renormalised: the law of the rule above, with no uniforms;
+  - seeded requests (the caller's `coupled` rows), whose drafts were drawn with the noise their slot gets here
+    (d_j = argmax(q_j / E_j)): P(accept) = P(argmax(q/E) = argmax(p/E)), a little below the token-wise
+    sum_x min(p, q) when q is not one-hot, bought for reproducibility: a seeded request (noise keyed on its
+    positions) emits the same tokens with or without speculation and however its steps were cut.
+
+The other methods end in the same step: emit a draw from normalize(max(w * p_t - q_t, 0)) at slot t, with w = 1,
 q_k = 0 for the bonus slot; if that has no positive mass (only possible through rounding or inconsistent
 inputs), p_t is used instead.
 """
@@ -82,18 +92,33 @@ def _block_tau(p_d: Tensor, q_d: Tensor, target: Tensor, draft_probs: Tensor | N
     return tau, w
 
 
-def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, uniforms: Tensor,
-                  noise: Tensor, method: str = "token") -> tuple[Tensor, Tensor]:
+def coupled_rows(draft_probs: Tensor | None, method: str, seeded: list[bool]) -> list[bool]:
+    """Rows verify_tokens verifies by coupling (module docstring): seeded requests', and all rows with argmax
+    drafts under token-wise verification. Rows not coupled need uniforms."""
+    return [s or (draft_probs is None and method == "token") for s in seeded]
+
+
+def _coupled(draft_tokens: Tensor, target: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+    drawn = sample_from(target, noise)                                                # [B, k+1]
+    k = draft_tokens.shape[1]
+    tau = (draft_tokens == drawn[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    pos = torch.arange(k + 1, device=target.device)
+    return torch.where(pos <= tau.unsqueeze(1), drawn, torch.full_like(drawn, -1)), tau
+
+
+def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, uniforms: Tensor | None,
+                  noise: Tensor, method: str = "token", coupled: list[bool] | None = None) -> tuple[Tensor, Tensor]:
     """
     draft_tokens: [B, k] long — the drafts d_1..d_k.
     draft_probs:  [B, k, V] float — q_j, the distribution d_j was drawn from; None means the drafts were the
                   draft model's argmax and q_j is one-hot at d_j (the seed's shortcut; still exact).
     target_probs: [B, k+1, V] float — p_j, the target distribution at each verified position (after
                   temperature/top-k/top-p); greedy requests pass one-hot argmax rows (exactly greedy matching).
-    uniforms:     [B, k] in [0, 1) — one U per draft position.
+    uniforms:     [B, k] in [0, 1) — one U per draft position (None when every row is coupled).
     noise:        [B, k+1, V] Exp(1) noise for the recovered / bonus token draw at each position.
     method:       "token" (token-wise rejection sampling) or "block" (block verification, Sun et al. 2025);
                   see the module docstring for both algorithms.
+    coupled:      [B] bools, rows verified by coupling (default: coupled_rows() with no seeded rows).
     Returns (output_tokens [B, k+1] long: the accepted drafts, then the one extra token, then -1 padding;
              num_accepted [B] long in [0, k]).
     """
@@ -107,6 +132,9 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     draft_tokens = draft_tokens.long()
     rows = torch.arange(B, device=device)
 
+    coupled = coupled if coupled is not None else coupled_rows(draft_probs, method, [False] * B)
+    if all(coupled):
+        return _coupled(draft_tokens, target, noise)
     if k == 0:
         tau = torch.zeros(B, dtype=torch.long, device=device)
         w_tau = torch.ones(B, dtype=target.dtype, device=device)
@@ -146,4 +174,8 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     drafts_padded = torch.cat([draft_tokens, torch.full((B, 1), -1, dtype=torch.long, device=device)], dim=1)
     out = torch.where(pos < tau.unsqueeze(1), drafts_padded, torch.full_like(drafts_padded, -1))
     out[rows, tau] = extra
+    if any(coupled):
+        c_out, c_tau = _coupled(draft_tokens, target, noise)
+        mask = torch.tensor(coupled, device=device)
+        out, tau = torch.where(mask.unsqueeze(1), c_out, out), torch.where(mask, c_tau, tau)
     return out, tau
