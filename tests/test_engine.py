@@ -149,3 +149,23 @@ def test_failed_generate_leaves_nothing_behind(ckpt):
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 12
+
+
+def test_a_request_that_breaks_the_step_fails_alone(ckpt):
+    """A request whose parameters pass validation but make the sampling step raise (here: top_k mutated past
+    what a tensor holds) fails with its own error; the others in its batch finish exactly as without it."""
+    llm = LLM(ckpt)
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    params = [GREEDY, sampled] * 3
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    base = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    poison = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    poison.top_k = 2**70
+    outs = llm.generate(prompt_token_ids=prompts[:3] + [[7, 8]] + prompts[3:],
+                        sampling_params=params[:3] + [poison] + params[3:], use_tqdm=False)
+    failed = outs.pop(3)
+    assert [o.outputs[0].token_ids for o in outs] == base
+    assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in outs)
+    assert failed.finished and failed.outputs[0].finish_reason == "error" and "Overflow" in failed.error
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests

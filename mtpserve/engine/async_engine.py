@@ -9,7 +9,9 @@ command queue; the thread hands outputs back to each request's asyncio.Queue wit
     async for out in async_engine.generate(...)   # both in one; aborts the request if the consumer stops
 
 A consumer that stops early (client disconnect) aborts its request, which frees its KV blocks. An
-exception from engine.step() fails the requests that were in the engine (each gets an EngineError) and
+engine fails one request (engine.py isolates a step that raised because of it), that request's stream gets an
+EngineError; the others carry on. An exception from engine.step() itself fails the requests that were in the
+engine (each gets an EngineError) and
 the loop carries on with new requests, unless a rank of a tensor-parallel engine failed (checked after each
 failed step and every second while idle): then the loop stops, new requests get EngineDeadError (503) and
 `on_fatal` is called (the server shuts down).
@@ -250,7 +252,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue   # aborted meanwhile
-            stream.put(out)
+            stream.put(EngineError(f"the engine failed this request: {out.error}") if out.error else out)
             if out.finished:
                 del self._streams[out.request_id]
 

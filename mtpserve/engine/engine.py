@@ -146,27 +146,20 @@ class LLMEngine:
         self.num_padded_handoff_steps += any(s.req.placeholder_drafts for s in scheduled)
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
-        results = self.executor.execute(scheduled)
+        results = self._execute_isolating(scheduled)
         now = time.monotonic()
         progressed = []
         for s, r in zip(scheduled, results):
             req = s.req
-            if not s.samples:
+            if isinstance(r, Exception) or req.is_finished:   # (a sibling failed this step)
+                self._fail(req, r, now)
+            elif not s.samples:
                 req.num_computed_tokens += s.num_new_tokens
-                continue
-            req.num_computed_tokens = req.num_tokens + len(r.new_token_ids) - 1
-            if r.num_drafts and self.spec_metrics is not None:
-                self.spec_metrics.record(r.num_drafts, r.num_accepted)
-            self._append_tokens(req, r.new_token_ids)
-            req.metrics.first_token_time = req.metrics.first_token_time or now
-            req.metrics.last_token_time = now
-            req.draft_token_ids = r.next_drafts or []
-            req.draft_probs = r.next_draft_probs
-            req.placeholder_drafts = False
-            if r.last_hidden is not None:
-                req.last_hidden = r.last_hidden
-            if req.is_finished:
-                req.metrics.finished_time = now
+            else:
+                try:
+                    self._update(req, r, now)
+                except Exception as e:   # (detokenisation, stop checks): this request's fault, not the others'
+                    self._fail(req, e, now)
             if req.parent_id not in progressed:
                 progressed.append(req.parent_id)
         if self.spec_metrics is not None:
@@ -176,6 +169,48 @@ class LLMEngine:
             if out.finished:
                 self._forget(out.request_id)
         return outputs
+
+    def _update(self, req: Request, r, now: float) -> None:
+        req.num_computed_tokens = req.num_tokens + len(r.new_token_ids) - 1
+        if r.num_drafts and self.spec_metrics is not None:
+            self.spec_metrics.record(r.num_drafts, r.num_accepted)
+        self._append_tokens(req, r.new_token_ids)
+        req.metrics.first_token_time = req.metrics.first_token_time or now
+        req.metrics.last_token_time = now
+        req.draft_token_ids = r.next_drafts or []
+        req.draft_probs = r.next_draft_probs
+        req.placeholder_drafts = False
+        if r.last_hidden is not None:
+            req.last_hidden = r.last_hidden
+        if req.is_finished:
+            req.metrics.finished_time = now
+
+    def _execute_isolating(self, scheduled) -> list:
+        """The step's results; if the step raises, the batch is split in halves and each half re-run, down to
+        the requests it raises on, whose entries are the exception: one request's fault (an input that passed
+        validation but breaks sampling, say) fails that request only. Re-running is safe because a step's
+        effects on the requests are applied only from its results; KV slots it wrote are written again, and
+        seeded draws are keyed on positions. Across processes a half-done step would leave the ranks' collectives
+        out of step, so there the step fails as a whole."""
+        try:
+            return self.executor.execute(scheduled)
+        except Exception as e:
+            if not isinstance(self.executor, UniProcExecutor):
+                raise
+            if len(scheduled) == 1:
+                logger.error("request %s failed in a step: %s: %s", scheduled[0].req.request_id, type(e).__name__, e)
+                return [e]
+            mid = len(scheduled) // 2
+            return self._execute_isolating(scheduled[:mid]) + self._execute_isolating(scheduled[mid:])
+
+    def _fail(self, req: Request, error: Exception | None, now: float) -> None:
+        """Ends a request the engine failed, and its siblings (the n completions of one prompt)."""
+        for sibling in self.children.get(req.parent_id, [req]):
+            if not sibling.is_finished:
+                sibling.error = f"{type(error).__name__}: {error}" if error is not None else "a sibling completion failed"
+                self.scheduler.finish(sibling, "error")
+                sibling.metrics.finished_time = now
+        req.error = req.error or "a sibling completion failed"
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> None:
         """Appends accepted tokens one at a time, stopping at EOS, stop ids, stop strings or max_tokens."""
@@ -208,8 +243,9 @@ class LLMEngine:
         kids = self.children[parent_id]
         outs = [CompletionOutput(r.index, r.text, list(r.output_token_ids), r.finish_reason, r.stop_reason)
                 for r in kids]
+        error = next((r.error for r in kids if r.error), None)
         return RequestOutput(parent_id, kids[0].prompt, kids[0].prompt_token_ids, outs,
-                             all(r.is_finished for r in kids), kids[0].metrics)
+                             all(r.is_finished for r in kids), kids[0].metrics, error)
 
     def _forget(self, parent_id: str) -> None:
         for req in self.children.pop(parent_id, []):

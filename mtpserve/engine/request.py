@@ -45,6 +45,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    error: str | None = None                         # why the engine failed it (finish_reason "error")
     dp_rank: int = 0                                 # the data-parallel rank (engine core) that runs it
     # prefill/decode disaggregation (mtpserve/disagg/)
     hold_kv: bool = False                            # prefill side: keep the KV blocks once finished
@@ -88,3 +89,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    error: str | None = None   # set when the engine failed the request (its finish_reason is "error")

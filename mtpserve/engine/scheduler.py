@@ -107,7 +107,7 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
-        if req.hold_kv and reason != "abort":
+        if req.hold_kv and reason not in ("abort", "error"):
             self.held[req.request_id] = req
         else:
             self.block_manager.free(req)
