@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     gen.set_defaults(func=run_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from mtpserve.serve.openai_api import add_serve_args, run_server
+    from mtpserve.serve.server import add_serve_args, run_server
     add_serve_args(serve)
     serve.set_defaults(func=run_server)
 

@@ -52,11 +52,11 @@ def test_acceptance_stats():
 def test_summarize_and_prometheus_parsing():
     s = common.summarize([0.001, 0.002, 0.003])
     assert s["mean"] == pytest.approx(2.0) and s["median"] == pytest.approx(2.0) and s["p99"] == pytest.approx(3.0)
-    text = ('# TYPE mtpserve:spec_decode_num_drafts gauge\nmtpserve:spec_decode_num_drafts{model_name="m"} 10.0\n'
-            'mtpserve:spec_decode_num_draft_tokens{model_name="m"} 20.0\n'
-            'mtpserve:spec_decode_num_accepted_tokens{model_name="m"} 12.0\n'
-            'mtpserve:spec_decode_num_accepted_tokens_per_pos{model_name="m",position="0"} 8.0\n'
-            'mtpserve:spec_decode_num_accepted_tokens_per_pos{model_name="m",position="1"} 4.0\n')
+    text = ('# TYPE mtpserve:spec_decode_num_drafts counter\nmtpserve:spec_decode_num_drafts_total{model_name="m"} 10.0\n'
+            'mtpserve:spec_decode_num_draft_tokens_total{model_name="m"} 20.0\n'
+            'mtpserve:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0\n'
+            'mtpserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 8.0\n'
+            'mtpserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 4.0\n')
     after = serve.parse_metrics(text)
     d = serve.spec_delta({}, after)
     assert d["mean_acceptance_length"] == pytest.approx(2.2) and d["acceptance_per_position"] == [0.8, 0.4]

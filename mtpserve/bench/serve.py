@@ -8,12 +8,12 @@ import time
 
 from mtpserve.bench import common
 
-SPEC_COUNTERS = ("mtpserve:spec_decode_num_drafts", "mtpserve:spec_decode_num_draft_tokens",
-                 "mtpserve:spec_decode_num_accepted_tokens")
+SPEC_COUNTERS = ("mtpserve:spec_decode_num_drafts_total", "mtpserve:spec_decode_num_draft_tokens_total",
+                 "mtpserve:spec_decode_num_accepted_tokens_total")
 
 
 def parse_metrics(text: str) -> dict:
-    """Prometheus text -> {"mtpserve:spec_decode_num_drafts": value, ..., "...per_pos": [values by position]}."""
+    """Prometheus text -> {"mtpserve:spec_decode_num_drafts_total": value, ..., "...per_pos": [by position]}."""
     out, per_pos = {}, {}
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
@@ -24,7 +24,7 @@ def parse_metrics(text: str) -> dict:
         name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
         if name in SPEC_COUNTERS:
             out[name] = out.get(name, 0.0) + value
-        elif name == "mtpserve:spec_decode_num_accepted_tokens_per_pos":
+        elif name == "mtpserve:spec_decode_num_accepted_tokens_per_pos_total":
             pos = re.search(r'position="(\d+)"', labels)
             if pos:
                 per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
@@ -86,7 +86,7 @@ async def run_clients(base_url: str, model: str, prompts: list[list[int]], outpu
     sem = asyncio.Semaphore(max_concurrency or len(prompts))
     url = base_url.rstrip("/") + "/v1/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        before = await scrape(client, base_url)
+        before = await scrape(client, base_url, api_key)
 
         async def limited(p):
             async with sem:
@@ -99,13 +99,14 @@ async def run_clients(base_url: str, model: str, prompts: list[list[int]], outpu
                 await asyncio.sleep(rng.expovariate(request_rate) if burstiness_poisson else 1.0 / request_rate)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        after = await scrape(client, base_url)
+        after = await scrape(client, base_url, api_key)
     return summarize_serving(results, duration, before, after)
 
 
-async def scrape(client, base_url: str) -> dict:
+async def scrape(client, base_url: str, api_key: str | None = None) -> dict:
     try:
-        r = await client.get(base_url.rstrip("/") + "/metrics")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        r = await client.get(base_url.rstrip("/") + "/metrics", headers=headers)
         return parse_metrics(r.text) if r.status_code == 200 else {}
     except Exception:
         return {}

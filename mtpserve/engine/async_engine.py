@@ -83,6 +83,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_queue_len = max_queue_len
+        self.max_num_seqs = getattr(engine, "max_num_seqs", 0)
         self.on_outputs, self.on_abort, self.on_fatal = on_outputs, on_abort, on_fatal
         self._commands: deque = deque()
         self._wake = threading.Condition()
@@ -105,6 +106,12 @@ class AsyncEngine:
         with self._wake:
             return self.stats.get("num_waiting", 0) + self._pending_adds
 
+    def _num_queued(self) -> int:
+        """Requests that will wait for a slot: those in the engine or being handed to it, beyond what it runs
+        at once. (Under the lock.)"""
+        in_engine = self.stats.get("num_running", 0) + self.stats.get("num_waiting", 0) + self._pending_adds
+        return max(in_engine - self.max_num_seqs, 0)
+
     def _send(self, command: tuple) -> None:
         with self._wake:
             self._commands.append(command)
@@ -126,8 +133,7 @@ class AsyncEngine:
         with self._wake:
             if self._stop:   # re-checked under the lock: shutdown may have drained the commands meanwhile
                 raise EngineDeadError("the engine loop is not running")
-            if self.max_queue_len is not None and \
-                    self.stats.get("num_waiting", 0) + self._pending_adds >= self.max_queue_len:
+            if self.max_queue_len is not None and self._num_queued() >= self.max_queue_len:
                 raise QueueFullError(f"{self.max_queue_len} requests are already waiting (--max-queue-len)")
             self._pending_adds += 1
             self._commands.append(("add", request_id, prompt, prompt_token_ids, params, add, stream))
@@ -150,6 +156,10 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    def fail_all_requests(self, message: str) -> None:
+        """Ends every request in the engine with an EngineError (the drain deadline of a shutdown)."""
+        self._send(("fail", message))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._wake:
@@ -217,6 +227,10 @@ class AsyncEngine:
             self._streams[rid] = stream
             stream.put(_ADDED)
             return True
+        elif command[0] == "fail":
+            if self._streams:
+                logger.warning("failing %d unfinished requests: %s", len(self._streams), command[1])
+            self._fail_all(EngineError(command[1]))
         elif command[0] == "call":
             try:
                 command[1](self.engine)

@@ -62,6 +62,11 @@ class LLMEngine:
         self.children: dict[str, list[Request]] = {}
         self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests the engine runs at once (all data-parallel ranks together)."""
+        return self.config.max_num_seqs * len(self.cores)
+
     @classmethod
     def from_kwargs(cls, *args, **kwargs) -> "LLMEngine":
         return cls(engine_config(*args, **kwargs))
@@ -84,6 +89,11 @@ class LLMEngine:
         dp = self.config.data_parallel_size
         if data_parallel_rank is not None and not (isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < dp):
             raise ValueError(f"data_parallel_rank = {data_parallel_rank!r}: must be in [0, data_parallel_size = {dp})")
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(f"top_k = {params.top_k}: must be -1 (off) or at most the vocabulary size {vocab}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: ids must be below the vocabulary size {vocab}")
         token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         room = self.max_model_len - len(token_ids)
         if room <= 0:

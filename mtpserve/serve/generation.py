@@ -2,6 +2,7 @@
 import asyncio
 from contextlib import aclosing
 import json
+import logging
 import re
 import time
 
@@ -9,6 +10,8 @@ from mtpserve.engine.async_engine import EngineDeadError, EngineError, QueueFull
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.serve import protocol
 from mtpserve.serve.protocol import APIError
+
+logger = logging.getLogger(__name__)
 
 _FIELD_NAMES = sorted(list(protocol.SAMPLING_FIELDS) + ["stop", "prompt_token_ids", "prompt"], key=len,
                       reverse=True)
@@ -22,6 +25,41 @@ def guess_param(message: str, default: str | None = None) -> str | None:
     return default
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_request(raw: bytes, chat: bool) -> protocol.GenerationRequest:
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError("malformed JSON body: nested too deeply")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"malformed JSON body: {e}")
+    return protocol.parse_chat_request(body) if chat else protocol.parse_completion_request(body)
+
+
+def encode(tokenizer, text: str, max_model_len: int, field: str, **kwargs) -> list[int]:
+    """The token ids of text. A text far longer than any prompt that fits is tokenised from its start only
+    first: if that part alone is too long, its ids (enough to refuse the prompt) are returned."""
+    try:
+        cut = 16 * max_model_len
+        if len(text) > cut:
+            ids = tokenizer.encode(text[:cut], **kwargs)
+            if len(ids) >= max_model_len:
+                return ids
+        return tokenizer.encode(text, **kwargs)
+    except Exception as e:   # a string the tokenizer cannot take
+        raise APIError(f"'{field}' could not be tokenised ({type(e).__name__})", param=field)
+
+
+def engine_failure(e: Exception, request_id: str) -> APIError:
+    """A request the engine failed: a server fault, logged in full; the client gets no internal text."""
+    logger.error("request %s failed in the engine: %s", request_id, e)
+    return APIError(f"the engine failed while running this request (request id {request_id}; details in the "
+                    "server log)", status=500, type="internal_server_error", code="engine_error")
+
+
 def prepare_prompts(req: protocol.GenerationRequest, tokenizer, max_model_len: int, chat: bool) -> list:
     """[(prompt text or None, prompt token ids)]; checks each prompt against max_model_len."""
     if chat:
@@ -31,14 +69,14 @@ def prepare_prompts(req: protocol.GenerationRequest, tokenizer, max_model_len: i
             text = tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:
             raise APIError(f"'messages' could not be rendered by the chat template: {e}", param="messages")
-        prompts = [(text, tokenizer.encode(text, add_special_tokens=False))]
+        prompts = [(text, encode(tokenizer, text, max_model_len, "messages", add_special_tokens=False))]
     else:
         prompts = []
         for p in req.prompts:
             if isinstance(p, str):
                 if tokenizer is None:
                     raise APIError("this model has no tokenizer: send 'prompt' as token ids", param="prompt")
-                prompts.append((p, tokenizer.encode(p)))
+                prompts.append((p, encode(tokenizer, p, max_model_len, "prompt")))
             else:
                 prompts.append((None, list(p)))
     field = "messages" if chat else "prompt"
@@ -83,7 +121,7 @@ async def start_requests(async_engine, request_id: str, prompts: list, params: l
         if isinstance(e, EngineDeadError):   # nothing will serve this request: the client should go elsewhere
             raise APIError(str(e), status=503, type="service_unavailable_error", code="engine_dead")
         if isinstance(e, EngineError):
-            raise APIError(str(e), status=500, type="internal_server_error")
+            raise engine_failure(e, request_id)
         raise
     return streams
 
@@ -118,7 +156,7 @@ async def collect(streams, req: protocol.GenerationRequest, request_id: str, mod
             async for i, out in outputs:
                 finals[i] = out
     except (EngineError, EngineDeadError) as e:
-        raise APIError(str(e), status=500, type="internal_server_error")
+        raise engine_failure(e, request_id)
     n = req.sampling.get("n", 1)
     choices = []
     for i in sorted(finals):
@@ -188,7 +226,7 @@ async def stream_sse(streams, req: protocol.GenerationRequest, request_id: str, 
                 if out.finished:
                     finals[i] = out
     except (EngineError, EngineDeadError) as e:
-        yield _sse(protocol.error_body(APIError(str(e), status=500, type="internal_server_error")))
+        yield _sse(protocol.error_body(engine_failure(e, request_id)))
     finally:
         for s in streams:
             s.abort()

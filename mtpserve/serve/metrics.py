@@ -1,13 +1,12 @@
 """Prometheus metrics for the server, all named `mtpserve:*` (vLLM's names with our prefix).
 
 Request metrics are observed on the engine thread from each step's outputs (ServerMetrics.on_outputs);
-engine gauges and the spec-decode counters are read at scrape time from the AsyncEngine's snapshots, so
-the scrape never calls into the engine. prometheus_client appends `_total` to counters; the spec-decode
-counters are exposed under their exact vLLM-style names (`mtpserve:spec_decode_num_drafts`, ...) by a
-custom collector, typed gauge (their values only grow).
+engine gauges and the cumulative engine counts (spec decode, preemptions, step errors) are read at scrape
+time from the AsyncEngine's snapshots, so the scrape never calls into the engine. Every count is a Prometheus
+counter, exposed with `_total` as vLLM's are (`mtpserve:spec_decode_num_drafts_total`, ...), so rate() works.
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()   # no *_created samples (as vLLM)
 
@@ -23,10 +22,13 @@ class EngineCollector:
     def __init__(self, async_engine, model_name: str):
         self.async_engine, self.model_name = async_engine, model_name
 
-    def _gauge(self, name: str, doc: str, value, labels=None):
-        g = GaugeMetricFamily(name, doc, labels=["model_name"] + list(labels or {}))
-        g.add_metric([self.model_name] + list((labels or {}).values()), float(value or 0))
+    def _gauge(self, name: str, doc: str, value, family=GaugeMetricFamily):
+        g = family(name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], float(value or 0))
         return g
+
+    def _counter(self, name: str, doc: str, value):
+        return self._gauge(name, doc, value, CounterMetricFamily)
 
     def collect(self):
         stats, spec = self.async_engine.stats, self.async_engine.spec_metrics
@@ -49,19 +51,20 @@ class EngineCollector:
                 yield g
         yield self._gauge("mtpserve:kv_held_requests", "Prefilled requests whose KV waits to be pulled (disagg).",
                           stats.get("num_held_kv_requests"))
-        yield self._gauge("mtpserve:disagg_padded_steps", "Steps that padded handed-over requests with placeholder "
-                          "drafts (scheme 2), cumulative.", stats.get("num_padded_handoff_steps"))
-        yield self._gauge("mtpserve:engine_step_errors", "Engine steps that raised (their requests failed).",
-                          self.async_engine.num_step_errors)
-        yield self._gauge("mtpserve:spec_decode_num_drafts", "Speculative steps (drafts proposed), cumulative.",
-                          spec.get("num_drafts"))
-        yield self._gauge("mtpserve:spec_decode_num_draft_tokens", "Draft tokens proposed, cumulative.",
-                          spec.get("num_draft_tokens"))
-        yield self._gauge("mtpserve:spec_decode_num_accepted_tokens", "Draft tokens accepted, cumulative.",
-                          spec.get("num_accepted_tokens"))
-        g = GaugeMetricFamily("mtpserve:spec_decode_num_accepted_tokens_per_pos",
-                              "Draft tokens accepted at each draft position, cumulative.",
-                              labels=["model_name", "position"])
+        yield self._counter("mtpserve:disagg_padded_steps", "Steps that padded handed-over requests with "
+                            "placeholder drafts (scheme 2).", stats.get("num_padded_handoff_steps"))
+        yield self._counter("mtpserve:num_preemptions", "Requests preempted (KV blocks ran out).",
+                            stats.get("num_preemptions"))
+        yield self._counter("mtpserve:engine_step_errors", "Engine steps that raised as a whole (their requests "
+                            "failed).", self.async_engine.num_step_errors)
+        yield self._counter("mtpserve:spec_decode_num_drafts", "Speculative steps (drafts proposed).",
+                            spec.get("num_drafts"))
+        yield self._counter("mtpserve:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                            spec.get("num_draft_tokens"))
+        yield self._counter("mtpserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            spec.get("num_accepted_tokens"))
+        g = CounterMetricFamily("mtpserve:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at each draft position.", labels=["model_name", "position"])
         for pos, n in enumerate(spec.get("accepted_per_position") or []):
             g.add_metric([self.model_name, str(pos)], float(n))
         yield g
@@ -81,13 +84,14 @@ class TransferCollector:
     def collect(self):
         c = self.connector.counters()
         for name, key, doc in (
-                ("kv_handoffs_sent", "sent", "Hand-offs pulled from this (prefill) server, cumulative."),
-                ("kv_handoff_bytes_sent", "sent_bytes", "Bytes of hand-offs sent, cumulative."),
-                ("kv_handoffs_parked", "parked", "Hand-offs waiting to be pulled."),
-                ("kv_handoffs_pulled", "pulled", "Hand-offs this (decode) server pulled, cumulative."),
-                ("kv_handoff_kv_bytes_pulled", "pulled_kv_bytes", "Latent KV bytes pulled, cumulative."),
-                ("kv_handoff_pull_seconds", "pull_seconds", "Seconds spent pulling hand-offs, cumulative.")):
-            g = GaugeMetricFamily(f"mtpserve:{name}", doc, labels=["model_name"])
+                ("kv_handoffs_sent", "sent", "Hand-offs pulled from this (prefill) server."),
+                ("kv_handoff_bytes_sent", "sent_bytes", "Bytes of hand-offs sent."),
+                ("kv_handoffs_parked", "parked", "Hand-offs waiting to be pulled (a gauge)."),
+                ("kv_handoffs_pulled", "pulled", "Hand-offs this (decode) server pulled."),
+                ("kv_handoff_kv_bytes_pulled", "pulled_kv_bytes", "Latent KV bytes pulled."),
+                ("kv_handoff_pull_seconds", "pull_seconds", "Seconds spent pulling hand-offs.")):
+            family = GaugeMetricFamily if key == "parked" else CounterMetricFamily
+            g = family(f"mtpserve:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], float(c[key]))
             yield g
 

@@ -3,24 +3,29 @@
     python -m mtpserve.serve.openai_api --model PATH --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
 
 Endpoints: /v1/completions, /v1/chat/completions (both with "stream"), /v1/models, /health, /metrics.
-Errors come back in OpenAI's format {"error": {"message", "type", "param", "code"}}.
+Errors come back in OpenAI's format {"error": {"message", "type", "param", "code"}}: 4xx for the client's
+mistakes (naming the field and the limit), 500 only for server faults, whose details go to the log under an
+error id, never to the client. Bodies are parsed and prompts tokenised on a worker thread, never on the event
+loop, so /health and running streams are not held up by a large request.
 """
-import argparse
 import asyncio
 import copy
-import hmac
-import json
+from concurrent.futures import ThreadPoolExecutor
 import logging
-import os
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpserve.serve import generation, protocol
+from mtpserve.serve.guards import APIKeyGuard, BodyLimitGuard, HostOriginGuard
 from mtpserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from mtpserve.serve.protocol import APIError
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_QUEUE_LEN = 512
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +61,6 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _own_copy(tokenizer):
     try:
         return copy.deepcopy(tokenizer)
@@ -72,37 +73,26 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(protocol.error_body(err), status_code=err.status, headers=err.headers)
 
 
-class APIKeyMiddleware:
-    """Plain ASGI middleware: /v1/* needs 'Authorization: Bearer <api_key>' (401 otherwise)."""
-
-    def __init__(self, app, api_key: str, metrics: ServerMetrics):
-        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode(), metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                self.metrics.count_error(401)
-                err = APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
-                               type="authentication_error", code="invalid_api_key")
-                await _error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(engine, served_model_name, api_key: str | None = None, max_model_len: int | None = None,
-              kv_connector=None) -> FastAPI:
+              kv_connector=None, allowed_hosts=None, allowed_origins=(), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              chat_template: str | None = None) -> FastAPI:
     """engine: an AsyncEngine. served_model_name: a name or a list of names (the first one is reported).
-    kv_connector: this server's side of disaggregated prefill/decode (mtpserve/disagg/), or None."""
+    kv_connector: this server's side of disaggregated prefill/decode (mtpserve/disagg/), or None.
+    allowed_hosts: Host names served (None: any); allowed_origins: browser Origins served ("*": any).
+    chat_template: a Jinja template replacing the tokenizer's."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     max_model_len = max_model_len or engine.max_model_len
     tokenizer = _own_copy(engine.tokenizer)   # the engine thread uses its tokenizer concurrently
+    if chat_template is not None and tokenizer is not None:
+        tokenizer.chat_template = chat_template
+    # one thread parses bodies and tokenises prompts (the tokenizer copy is not shared between threads)
+    prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="mtpserve-tokenize")
     metrics = ServerMetrics(engine, names[0])
     engine.on_outputs, engine.on_abort = metrics.on_outputs, metrics.on_abort
     if kv_connector is not None:
         from mtpserve.serve.metrics import TransferCollector
         metrics.registry.register(TransferCollector(kv_connector, names[0]))
-    app = FastAPI(title="mtpserve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="mtpserve", docs_url="/docs", redoc_url=None)
     app.state.engine, app.state.metrics = engine, metrics
     created = int(time.time())
 
@@ -118,13 +108,22 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error")
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("internal error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
         metrics.count_error(500)
-        return _error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                        type="internal_server_error"))
+        return _error_response(APIError(f"internal server error (error id {error_id}; details in the server log)",
+                                        status=500, type="internal_server_error", code="internal_error"))
 
+    # (added last = outermost): host/origin, then the key, then the body limit
+    app.add_middleware(BodyLimitGuard, max_bytes=max_body_bytes, on_error=metrics.count_error)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics=metrics)
+        app.add_middleware(APIKeyGuard, api_key=api_key, on_error=metrics.count_error)
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(HostOriginGuard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
+                       on_error=metrics.count_error)
 
     @app.get("/health")
     async def health():
@@ -140,18 +139,19 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
                  "root": names[0], "max_model_len": max_model_len} for name in names]
         return {"object": "list", "data": data}
 
-    async def serve(request: Request, chat: bool):
-        try:
-            body = json.loads(await request.body(), parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(f"malformed JSON body: {e}")
-        req = protocol.parse_chat_request(body) if chat else protocol.parse_completion_request(body)
+    def parse_and_prepare(raw: bytes, chat: bool):   # (on the prepare thread)
+        req = generation.parse_request(raw, chat)
         if req.model is not None and req.model not in names:
-            raise APIError(f"the model '{req.model}' does not exist; this server serves {names}", status=404,
+            raise APIError(f"the model {req.model!r} does not exist; this server serves {names}", status=404,
                            type="not_found_error", param="model", code="model_not_found")
-        model = req.model or names[0]
         prompts = generation.prepare_prompts(req, tokenizer, max_model_len, chat)
-        params = [generation.make_params(req, len(ids), max_model_len, chat) for _, ids in prompts]
+        return req, prompts, [generation.make_params(req, len(ids), max_model_len, chat) for _, ids in prompts]
+
+    async def serve(request: Request, chat: bool):
+        raw = await request.body()
+        req, prompts, params = await asyncio.get_running_loop().run_in_executor(prepare_pool, parse_and_prepare,
+                                                                                raw, chat)
+        model = req.model or names[0]
         request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         disagg = None
         if req.kv_transfer_params is not None:
@@ -213,98 +213,9 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
     return app
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from mtpserve.cli import add_graph_args, add_parallel_args, add_quantization_arg
-    a = parser.add_argument
-    a("--model", default=None, help="HF checkpoint directory (default: the shipped default model)")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8000)
-    a("--served-model-name", nargs="+", default=None,
-      help="name(s) clients use in 'model' (default: the --model value, or 'mtpserve-default')")
-    a("--speculative-config", default=None,
-      help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' (default: no speculation)')
-    a("--max-num-seqs", type=int, default=64)
-    a("--max-model-len", type=int, default=None)
-    a("--max-num-batched-tokens", type=int, default=None)
-    a("--num-kv-blocks", type=int, default=None)
-    add_graph_args(parser)
-    add_parallel_args(parser)
-    add_quantization_arg(parser)
-    a("--dtype", default="auto")
-    a("--seed", type=int, default=0)
-    a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
-      help="require 'Authorization: Bearer KEY' on /v1/* (default: $MTPSERVE_API_KEY)")
-    a("--max-queue-len", type=int, default=None, help="waiting requests beyond which new ones get 503")
-    a("--kv-transfer-config", default=None,
-      help="disaggregated prefill/decode (JSON, vLLM's keys): kv_role kv_producer|kv_consumer|kv_both, kv_port, "
-           "kv_ip, mtp_handoff drafts|hidden, kv_transfer_timeout, kv_pull_timeout (mtpserve/disagg/connector.py)")
-    a("--uvicorn-log-level", default="warning")
-    return parser
-
-
-def engine_kwargs(args) -> dict:
-    from mtpserve.cli import graph_kwargs, parallel_kwargs
-    spec = None
-    if args.speculative_config:
-        try:
-            spec = json.loads(args.speculative_config)
-        except ValueError as e:
-            raise SystemExit(f"--speculative-config is not valid JSON: {e}")
-    kwargs = dict(model=args.model, speculative_config=spec, **graph_kwargs(args),
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
-                  **parallel_kwargs(args))
-    if args.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    return kwargs
-
-
-def build_engine(args):
-    from mtpserve.engine.engine import LLMEngine
-    return LLMEngine.from_kwargs(**engine_kwargs(args))
-
-
-def run_server(args) -> None:
-    import uvicorn
-
-    from mtpserve.engine.async_engine import AsyncEngine
-    from mtpserve.engine.setup import engine_config, run_non_front_ranks
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if run_non_front_ranks(engine_config(**engine_kwargs(args))):
-        return   # a node after the first: its ranks served node 0's engine until it stopped
-    server = None
-
-    def stop_serving():   # a rank failed: the engine is dead, so is the server (clients got their errors)
-        if server is not None:
-            server.should_exit = True
-
-    kv_config = None
-    if args.kv_transfer_config:
-        from mtpserve.disagg.connector import KVConnector, KVTransferConfig
-        try:
-            kv_config = KVTransferConfig.from_json(args.kv_transfer_config)
-        except (ValueError, TypeError) as e:
-            raise SystemExit(f"--kv-transfer-config: {e}")
-    async_engine = AsyncEngine(build_engine(args), max_queue_len=args.max_queue_len, on_fatal=stop_serving)
-    kv_connector = KVConnector(kv_config, async_engine) if kv_config else None
-    names = args.served_model_name or [args.model or "mtpserve-default"]
-    app = build_app(async_engine, names, args.api_key, async_engine.max_model_len, kv_connector)
-    logger.info("serving %s on http://%s:%d (max_model_len %d)", names, args.host, args.port,
-                async_engine.max_model_len)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
-    try:
-        server.run()
-    finally:
-        if kv_connector is not None:
-            kv_connector.close()
-        async_engine.shutdown()
-        async_engine.engine.shutdown()
-
-
 def main(argv=None) -> None:
-    parser = add_serve_args(argparse.ArgumentParser(prog="mtpserve serve", description=__doc__,
-                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
-    run_server(parser.parse_args(argv))
+    from mtpserve.serve.server import main as serve_main
+    serve_main(argv)
 
 
 if __name__ == "__main__":

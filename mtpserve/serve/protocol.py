@@ -1,8 +1,9 @@
 """OpenAI request parsing and response/chunk building, as plain functions over JSON dicts.
 
-Parsing never trusts the body: each field is type-checked here, and ranges are checked by
-SamplingParams.validate(); any problem raises APIError naming the field (HTTP 400 in OpenAI's error
-format). Unknown fields are ignored, as OpenAI clients send extras.
+Parsing never trusts the body: each field is type-checked here, and ranges are checked here (the limits
+below) and by SamplingParams.validate() and the engine (top_k and token ids against the vocabulary); any
+problem raises APIError naming the field and the limit (HTTP 400 in OpenAI's error format). Unknown fields
+are ignored, as OpenAI clients send extras.
 """
 import math
 import time
@@ -21,7 +22,24 @@ class APIError(Exception):
 
 
 def error_body(err: APIError) -> dict:
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    message = err.message.encode("utf-8", "replace").decode("utf-8")   # (a lone surrogate echoed from the input)
+    return {"error": {"message": message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+# Limits (OpenAI's where it documents one).
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEQUENCES_PER_REQUEST = 256   # prompts x n
+
+
+def check_text(name: str, text: str) -> str:
+    """A string that can be encoded (JSON admits lone surrogates, which no tokenizer or UTF-8 output takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(f"'{name}' is not valid Unicode (it holds a lone surrogate)", param=name.split("[")[0])
+    return text
 
 
 # Sampling fields (request name -> SamplingParams name) with their JSON types.
@@ -70,12 +88,17 @@ def parse_sampling(body: dict, chat: bool) -> dict:
             out[target] = value
     if "seed" in out and not -2**63 <= out["seed"] < 2**63:
         raise APIError("'seed' must be in [-2^63, 2^63)", param="seed")
+    if "temperature" in out and not 0 <= out["temperature"] <= MAX_TEMPERATURE:
+        raise APIError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {out['temperature']!r}",
+                       param="temperature")
     if chat and body.get("max_completion_tokens") is not None:
         _check_type("max_completion_tokens", body["max_completion_tokens"], int)
         out["max_tokens"] = body["max_completion_tokens"]
     if "stop_token_ids" in out and not all(isinstance(t, int) and not isinstance(t, bool)
                                            for t in out["stop_token_ids"]):
         raise APIError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    if len(out.get("stop_token_ids", [])) > MAX_STOP_TOKEN_IDS:
+        raise APIError(f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -84,6 +107,10 @@ def parse_sampling(body: dict, chat: bool) -> dict:
             raise APIError("'stop' must be a string or a list of strings", param="stop")
         if any(s == "" for s in stop):
             raise APIError("'stop' strings must not be empty", param="stop")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stop):
+            raise APIError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                           "characters each", param="stop")
+        stop = [check_text("stop", s) for s in stop]
         out["stop"] = stop
     best_of = body.get("best_of")
     if best_of is not None and best_of != out.get("n", 1):
@@ -136,7 +163,11 @@ def parse_completion_request(body) -> GenerationRequest:
                        "lists of token ids, and not empty", param="prompt")
     if any(len(p) == 0 for p in prompts):
         raise APIError("'prompt' must not be empty", param="prompt")
-    req.prompts = prompts
+    n = req.sampling.get("n", 1)
+    if len(prompts) * n > MAX_SEQUENCES_PER_REQUEST:
+        raise APIError(f"{len(prompts)} prompts x n = {n} completions: at most {MAX_SEQUENCES_PER_REQUEST} per "
+                       "request", param="prompt" if len(prompts) > 1 else "n")
+    req.prompts = [check_text("prompt", p) if isinstance(p, str) else p for p in prompts]
     return req
 
 
@@ -160,7 +191,8 @@ def parse_chat_request(body) -> GenerationRequest:
         if not isinstance(content, str):
             raise APIError(f"'messages[{i}].content' must be a string or a list of text parts",
                            param="messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": check_text(f"messages[{i}].role", m["role"]),
+                    "content": check_text(f"messages[{i}].content", content)})
     req.messages = out
     return req
 
