@@ -5,7 +5,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import threading
 import time
 
@@ -16,6 +15,7 @@ import pytest
 from mtpserve.engine.async_engine import AsyncEngine, EngineError, QueueFullError
 from mtpserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from mtpserve.sampling_params import SamplingParams
+from mtpserve.distributed.launch import free_port
 from server_processes import server_process
 
 SPEC = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
@@ -46,12 +46,6 @@ def write_checkpoint(path: str) -> str:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
                    "clean_up_tokenization_spaces": False, "model_max_length": 512, "chat_template": template}, f)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
