@@ -103,6 +103,26 @@ def test_three_mtp_layers(trained3, k):
     assert m["acceptance_rate"] > 0.3
 
 
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole-prompts", "chunked"])
+def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget):
+    """3 MTP layers, k=4: the depth past the checkpoint's own layers runs layer 0, and prompt chunks must fill
+    the own layers' caches too: every MTP cache slot a pass attends to was written by the model, so drafts (and
+    acceptance) do not depend on what the MTP caches held before (filled with noise here)."""
+    prompts = prompts_for()
+    runs = []
+    for noise in (False, True):
+        kw = {"max_num_batched_tokens": budget} if budget else {}
+        llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 4}, **kw)
+        if noise:
+            gen = torch.Generator().manual_seed(0)
+            for cache in llm.engine.runner.mtp_caches:
+                cache.copy_(torch.randn(cache.shape, generator=gen) * 3)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
+    assert runs[0] == runs[1]
+    assert runs[0][1][3] > 0   # the 4th draft (layer 0 again) is accepted at times
+
+
 def test_random_model_and_moe(random_ckpt):
     prompts = [[5, 6, 7], list(range(10, 40)), [9]]
     base, _ = run(random_ckpt, None, prompts)

@@ -42,8 +42,10 @@ class LLMEngine:
         self.runner = self.executor.runner          # this process's rank (rank 0)
         self.model = self.runner.model
         self.device, self.dtype = self.runner.device, setup.dtype
+        proposer = getattr(self.runner, "proposer", None)
+        min_last_chunk = proposer.min_last_chunk() if hasattr(proposer, "min_last_chunk") else 1
         self.cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size), cfg.max_num_seqs,
-                                cfg.max_num_batched_tokens, self.num_lookahead_slots)
+                                cfg.max_num_batched_tokens, self.num_lookahead_slots, min_last_chunk)
                       for _ in range(cfg.data_parallel_size)]   # one scheduler per data-parallel rank
         self.scheduler = self.cores[0] if len(self.cores) == 1 else DataParallelScheduler(self.cores)
         self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)

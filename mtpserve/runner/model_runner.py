@@ -131,10 +131,10 @@ class ModelRunner:
         return [Row([0] * q, 0, [0], 0)], prev_hidden, [0] if indexed else None
 
     def _mtp_passes(self, scheduled) -> int:
-        """MTP passes this step needs here: k when a request drafts, 1 when prompt chunks only fill the cache."""
+        """MTP passes this step runs here (MTPProposer.num_passes)."""
         if not scheduled or not isinstance(self.proposer, MTPProposer):
             return 0
-        return self.spec.num_speculative_tokens if any(s.samples for s in scheduled) else 1
+        return self.proposer.num_passes(scheduled)
 
     def _finish_dp_step(self) -> None:
         """Data parallel: the MTP passes the busiest rank runs and this one did not, as dummies."""

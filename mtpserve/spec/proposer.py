@@ -59,47 +59,78 @@ class MTPProposer:
         if prefixes:
             hidden = torch.cat([hidden, torch.stack(prefixes)])
         out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=None if chain else last)
-        if not drafting:   # prompt chunks only: the pass just filled the MTP cache
+        if not drafting and not chain:   # prompt chunks only: the pass just filled the MTP cache
             return
-        prev_hidden = out[[last[i] for i in drafting]] if chain else out[drafting]
         reqs = [scheduled[i].req for i in drafting]
         draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
-        token, probs = self._draft(0, prev_hidden, reqs, draft_positions)
-        drafts, draft_probs = [token], [probs]
+        prev_hidden = out[[last[i] for i in drafting]] if chain else out[drafting]
+        drafts, draft_probs, depth_hidden = [], [], [prev_hidden]
+        if drafting:
+            token, probs = self._draft(0, prev_hidden, reqs, draft_positions)
+            drafts, draft_probs = [token], [probs]
         next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
                     for i in drafting]
-        if chain:
-            chain_rows = [rows[i] for i in drafting]
-            sizes = [len(r.token_ids) for r in chain_rows]
-            ends = torch.tensor(sizes).cumsum(0)
-            chain_last = (ends - 1).tolist()
-            chain_hidden = out[[t for i, n in zip(drafting, sizes) for t in range(last[i] - n + 1, last[i] + 1)]]
-            known = [scheduled[i].req.all_token_ids + results[i].new_token_ids for i in drafting]
+        if chain:   # every request's rows, prompt chunks too: they fill the own layers' caches at their positions
+            sizes = [len(r.token_ids) for r in rows]
+            chain_last = (torch.tensor(sizes).cumsum(0) - 1).tolist()
+            chain_hidden = out[[t for i, n in enumerate(sizes) for t in range(last[i] - n + 1, last[i] + 1)]]
+            known = [s.req.all_token_ids + results[i].new_token_ids for i, s in enumerate(scheduled)]
         num_layers = 1 if self.static_shapes else self.model.num_mtp_layers
         for j in range(1, k):
             layer = j if j < num_layers else 0
             if chain and layer == j:   # depth j+1 at position p: embedding of t[p+j+1], depth j's output at p
-                known = [t + [d] for t, d in zip(known, drafts[-1].tolist())]
+                for i, d in zip(drafting, drafts[-1].tolist() if drafting else []):
+                    known[i] = known[i] + [d]
                 step_rows = [Row(t[r.start + 1 + j:r.start + 1 + j + len(r.token_ids)], r.start, r.block_ids)
-                             for t, r in zip(known, chain_rows)]
+                             for t, r in zip(known, rows)]
+                if any(len(a.token_ids) != len(b.token_ids) for a, b in zip(step_rows, rows)):
+                    raise RuntimeError("MTP chain: a prompt chunk ends too close to the prompt's end "
+                                       "(Scheduler.min_last_chunk)")
                 if j == k - 1:   # the last pass: its KV everywhere, its layer only where the draft is read
-                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=chain_last)
+                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=chain_last)[drafting]
                 else:
                     chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
-                    prev_hidden = chain_hidden[chain_last]
+                    prev_hidden = chain_hidden[[chain_last[i] for i in drafting]]
+            elif not drafting:
+                return
             else:   # a shared layer: one token at the next position, fed the previous pass's last output
-                step_rows = [Row([t], p, scheduled[i].req.block_ids)
-                             for i, t, p in zip(drafting, drafts[-1].tolist(), next_pos)]
-                prev_hidden = self.forward(f"mtp{layer}", step_rows, prev_hidden)
+                # (the first depth past a checkpoint's own layers also covers the positions those depths drafted
+                # at, which layer 0's cache holds nothing for yet: as if layer 0 had drafted every depth)
+                span = j if chain and j == num_layers else 1
+                tokens = torch.stack(drafts[-span:], dim=1).tolist()
+                step_rows = [Row(t, p - span + 1, scheduled[i].req.block_ids)
+                             for i, t, p in zip(drafting, tokens, next_pos)]
+                inputs = torch.stack(depth_hidden[-span:], dim=1).flatten(0, 1)
+                outputs = [span * (n + 1) - 1 for n in range(len(drafting))] if span > 1 else None
+                prev_hidden = self.forward(f"mtp{layer}", step_rows, inputs, output_index=outputs)
+            if not drafting:
+                continue
             token, probs = self._draft(layer, prev_hidden, reqs, [p + j for p in draft_positions])
             drafts.append(token)
             draft_probs.append(probs)
+            depth_hidden.append(prev_hidden)
             next_pos = [p + 1 for p in next_pos]
+        if not drafting:
+            return
         drafts = torch.stack(drafts, dim=1).tolist()
         for n, i in enumerate(drafting):
             results[i].next_drafts = drafts[n]
             if draft_probs[0] is not None:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs])
+
+    def num_passes(self, scheduled) -> int:
+        """The MTP passes propose() runs for this step: k when a request drafts; else (prompt chunks only) the
+        first pass, plus the checkpoint's own layers (eager mode chains them over the chunks too)."""
+        k = self.spec.num_speculative_tokens
+        if any(s.samples for s in scheduled):
+            return k
+        return 1 if self.static_shapes else max(min(k, self.model.num_mtp_layers), 1)
+
+    def min_last_chunk(self) -> int:
+        """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
+        known for a chunk only inside the prompt, so the last positions must come with the sampled token."""
+        k = self.spec.num_speculative_tokens
+        return 1 if self.static_shapes else max(min(k, self.model.num_mtp_layers), 1)
 
     def _draft(self, layer, hidden, reqs, positions):
         """Drafts one token per request, and the distribution it was drawn from over the whole vocabulary.
