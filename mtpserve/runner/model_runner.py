@@ -5,7 +5,6 @@ from dataclasses import dataclass
 import torch
 
 from mtpserve.config import SpeculativeConfig
-from mtpserve.engine.scheduler import ScheduledRequest
 from mtpserve.runner.batch import Row, build_batch
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.graphs import GraphRunner
@@ -143,7 +142,7 @@ class ModelRunner:
             self.forward(f"mtp{j if j < num_layers else 0}", [])
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+    def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (engine/scheduler.py)
         if self.dp is not None:
             self._planned_passes, self._passes_run = self._mtp_passes(scheduled), 0
             if not scheduled:   # nothing here: the same forwards as the others, on padding
