@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     train.set_defaults(func=run_train)
 
     vocab = sub.add_parser("draft-vocab", help="count token frequencies for a frequency-ranked draft vocabulary")
-    from mtpserve.spec.draft_vocab import add_draft_vocab_args, run_draft_vocab
+    from mtpserve.spec_decode.draft_vocab import add_draft_vocab_args, run_draft_vocab
     add_draft_vocab_args(vocab)
     vocab.set_defaults(func=run_draft_vocab)
 

@@ -139,14 +139,14 @@ def check_int_in_range(field: str, value, low: int, high: int | None, what: str 
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "mtp"                     # "mtp" (alias "deepseek_mtp") | "ngram" (prompt lookup, spec/ngram.py)
+    method: str = "mtp"                     # "mtp" (alias "deepseek_mtp") | "ngram" (prompt lookup, spec_decode/ngram.py)
     num_speculative_tokens: int = 1
     draft_sampling: str = "probabilistic"   # "probabilistic" | "greedy"
     verification: str = "token"             # "token" | "block"
     scorer: str = "mqa"                     # "mqa" | "batch_expansion"
     synthetic_acceptance: float | None = None  # measurement mode only (bench); never lossless
     allow_lossy_measurement: bool = False      # the explicit opt-in synthetic_acceptance needs (bench sets it)
-    draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec/draft_vocab.py)
+    draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec_decode/draft_vocab.py)
     prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (4 when not given)
     prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
 

@@ -152,20 +152,24 @@ def test_failed_generate_leaves_nothing_behind(ckpt):
 
 
 def test_a_request_that_breaks_the_step_fails_alone(ckpt):
-    """A request whose parameters pass validation but make the sampling step raise (here: top_k mutated past
-    what a tensor holds) fails with its own error; the others in its batch finish exactly as without it."""
+    """A request whose parameters make the sampling step raise (here: top_k changed, after validation, to a
+    value no tensor holds) fails with its own error; the others in its batch finish exactly as without it."""
     llm = LLM(ckpt)
     sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)
     params = [GREEDY, sampled] * 3
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     base = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
-    poison = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    poison.top_k = 2**70
-    outs = llm.generate(prompt_token_ids=prompts[:3] + [[7, 8]] + prompts[3:],
-                        sampling_params=params[:3] + [poison] + params[3:], use_tqdm=False)
-    failed = outs.pop(3)
-    assert [o.outputs[0].token_ids for o in outs] == base
-    assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in outs)
-    assert failed.finished and failed.outputs[0].finish_reason == "error" and "Overflow" in failed.error
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), None, p, sp)
+    engine.add_request("poison", None, [7, 8], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    engine.requests["poison"].params.top_k = 2**70
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    failed = finals.pop("poison")
+    assert [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))] == base
+    assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in finals.values())
+    assert failed.outputs[0].finish_reason == "error" and "Overflow" in failed.error
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not engine.requests

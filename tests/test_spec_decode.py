@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from mtpserve import LLM, SamplingParams
 from mtpserve.model.loader import load_model
-from mtpserve.spec.draft_vocab import write_frequencies
+from mtpserve.spec_decode.draft_vocab import write_frequencies
 from tiny_models import pattern_batch, random_checkpoint, trained_checkpoint
 
 
@@ -76,7 +76,7 @@ def test_greedy_with_chunked_prefill_and_preemption(trained1, k):
 
 def test_seeded_sampling_same_with_speculation_and_preemption(trained1):
     """A seeded request's draws are keyed on its token positions, and argmax drafts are verified by coupling
-    (spec/verify.py): its sampled tokens are those of plain sampling with the same seed, with or without
+    (spec_decode/verify.py): its sampled tokens are those of plain sampling with the same seed, with or without
     speculation, with or without preemption."""
     prompts = prompts_for() * 5   # 30 requests
     params = [SamplingParams(temperature=0.8, top_k=40, seed=100 + i, max_tokens=24, ignore_eos=True)
@@ -175,7 +175,7 @@ def exact_joint(path, prompt, params, n_tokens):
 def test_sampling_is_lossless(tmp_path_factory, spec):
     """Chi-square of the first two generated tokens over many seeded requests against the exact joint
     distribution computed from the model itself (vocab 6, so 36 cells). "seeded": every request has its own
-    seed (coupled verification of sampled drafts, spec/verify.py), else all draw from the engine's generator."""
+    seed (coupled verification of sampled drafts, spec_decode/verify.py), else all draw from the engine's generator."""
     spec = dict(spec)
     seeded = spec.pop("seeded", False)
     path = random_checkpoint(tmp_path_factory.mktemp("v6"), vocab_size=6, eos_token_id=None, bos_token_id=None)

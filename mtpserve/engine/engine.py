@@ -13,7 +13,7 @@ from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
 from mtpserve.sampling_params import SamplingParams
-from mtpserve.spec.metrics import SpecDecodeMetrics
+from mtpserve.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("mtpserve")
 
@@ -42,8 +42,7 @@ class LLMEngine:
         self.runner = self.executor.runner          # this process's rank (rank 0)
         self.model = self.runner.model
         self.device, self.dtype = self.runner.device, setup.dtype
-        proposer = getattr(self.runner, "proposer", None)
-        min_last_chunk = proposer.min_last_chunk() if hasattr(proposer, "min_last_chunk") else 1
+        min_last_chunk = self.runner.proposer.min_last_chunk() if self.runner.proposer else 1
         self.cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size), cfg.max_num_seqs,
                                 cfg.max_num_batched_tokens, self.num_lookahead_slots, min_last_chunk)
                       for _ in range(cfg.data_parallel_size)]   # one scheduler per data-parallel rank

@@ -91,7 +91,7 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens
         num_new = min(remaining, budget)
         if num_new < remaining and remaining - num_new < self.min_last_chunk:
-            num_new = remaining - self.min_last_chunk   # (MTPProposer.min_last_chunk)
+            num_new = remaining - self.min_last_chunk   # (Proposer.min_last_chunk: MTP own layers)
             if num_new <= 0:
                 return None
         drafts = req.draft_token_ids if num_new == remaining else []

@@ -17,10 +17,32 @@ from mtpserve.sampling.sampler import TARGET_NOISE, draw, logits_to_probs, sampl
 
 
 class MTPProposer:
-    def __init__(self, model, spec, forward, generator, device):
-        """forward(what, rows, prev_hidden) runs "mtp{layer}" on rows (graph or eager) -> hidden per token."""
+    always_drafts = True
+
+    def __init__(self, spec, model, forward, generator, device, static_shapes: bool = False):
+        """forward(what, rows, prev_hidden) runs "mtp{layer}" on rows (graph or eager) -> hidden per token.
+        static_shapes: graph mode, whose first pass always covers 1+k tokens per request."""
         self.model, self.spec, self.forward, self.generator, self.device = model, spec, forward, generator, device
-        self.static_shapes = False   # graph mode: the first pass always covers 1+k tokens per request
+        self.static_shapes = static_shapes
+
+    @classmethod
+    def check(cls, model_config, spec) -> None:
+        if model_config.num_nextn_predict_layers == 0:
+            raise ValueError("speculative_config: method 'mtp' needs a checkpoint with MTP layers "
+                             "(num_nextn_predict_layers = 0 in its config.json)")
+
+    @classmethod
+    def num_kv_caches(cls, model_config, spec) -> int:
+        """One per MTP layer the drafts use (graph mode and DeepSeek-V3 use one)."""
+        return max(1, min(model_config.num_nextn_predict_layers, spec.num_speculative_tokens))
+
+    @classmethod
+    def lookahead_slots(cls, spec) -> int:
+        return spec.num_speculative_tokens   # passes 1..k-1 write up to k-1 slots past the verified ones
+
+    def graph_shapes(self) -> list[tuple[str, int]]:
+        k = self.spec.num_speculative_tokens
+        return [("mtp0", 1 + k)] + ([("mtp0", 1)] if k > 1 else [])   # every later depth: layer 0, one token
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
@@ -142,7 +164,7 @@ class MTPProposer:
             token = logits.argmax(-1)   # one-hot drafts: no distribution to keep
             return (token if vocab is None else vocab[token]), None
         probs = logits_to_probs(logits, *sampling_tensors(reqs, None, self.device))
-        # a seeded request's draft gets the noise its slot will be verified with (coupled verification, spec/verify.py)
+        # a seeded request's draft gets the noise its slot will be verified with (coupled verification, spec_decode/verify.py)
         noise = draw([r.seed for r in reqs], positions, 1, probs.shape[-1], "exponential", TARGET_NOISE, self.generator,
                      self.device, [r.params.greedy for r in reqs])
         token = sample(probs, noise[:, 0])
