@@ -13,6 +13,8 @@ from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
 from mtpserve.sampling_params import SamplingParams
+from mtpserve.spec_decode import adaptive
+from mtpserve.spec_decode.adaptive import AdaptiveK
 from mtpserve.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("mtpserve")
@@ -56,12 +58,22 @@ class LLMEngine:
                         len(self.runner.graphs.graphs), cfg.graph_batch_sizes, self.graph_warmup_seconds, cache_dir())
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
+        self.adaptive = AdaptiveK(k) if cfg.speculative and cfg.speculative.adaptive else None
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
         self.children: dict[str, list[Request]] = {}
         self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
+        if self.adaptive is not None:
+            start = time.monotonic()
+            adaptive.calibrate(self, self.adaptive)
+            self.spec_metrics = SpecDecodeMetrics(k)
+            for core in self.cores:
+                core.num_preemptions = 0
+            logger.info("adaptive speculation: step costs calibrated in %.1fs: %s", time.monotonic() - start,
+                        {k: {b: round(s * 1e3, 2) for b, s in sorted(t.items())}
+                         for k, t in self.adaptive.step_seconds.items()})
 
     @property
     def max_num_seqs(self) -> int:
@@ -157,7 +169,11 @@ class LLMEngine:
         self.num_padded_handoff_steps += any(s.req.placeholder_drafts for s in scheduled)
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
+        k_next = adaptive.plan_drafts(self.adaptive, scheduled) if self.adaptive is not None else None
+        start = time.perf_counter()
         results = self._execute_isolating(scheduled)
+        if self.adaptive is not None:
+            adaptive.observe(self.adaptive, scheduled, results, k_next, time.perf_counter() - start)
         now = time.monotonic()
         progressed = []
         for s, r in zip(scheduled, results):
@@ -264,7 +280,10 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------------------
     def get_metrics(self) -> dict:
-        return self.spec_metrics.as_dict() if self.spec_metrics else SpecDecodeMetrics(0).as_dict()
+        metrics = self.spec_metrics.as_dict() if self.spec_metrics else SpecDecodeMetrics(0).as_dict()
+        if self.adaptive is not None:   # steps that drafted k tokens, k = 0..num_speculative_tokens
+            metrics["draft_steps_by_k"] = list(self.adaptive.choices)
+        return metrics
 
     def get_stats(self) -> dict:
         cores = self.cores

@@ -77,7 +77,8 @@ class ModelRunner:
         if self.graphs is None:
             return 0.0
         k = self.spec.num_speculative_tokens if self.spec else 0
-        shapes = [("main", 1 + k)] + (self.proposer.graph_shapes() if self.proposer else [])
+        verified = range(k + 1) if self.spec is not None and self.spec.adaptive else [k]
+        shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
 

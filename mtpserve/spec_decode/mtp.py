@@ -42,13 +42,21 @@ class MTPProposer:
 
     def graph_shapes(self) -> list[tuple[str, int]]:
         k = self.spec.num_speculative_tokens
-        return [("mtp0", 1 + k)] + ([("mtp0", 1)] if k > 1 else [])   # every later depth: layer 0, one token
+        verified = range(k + 1) if self.spec.adaptive else [k]   # the first pass covers 1 + the drafts verified
+        return [("mtp0", 1 + v) for v in verified] + ([("mtp0", 1)] if k > 1 else [])   # later depths: one token
+
+    def next_k(self, scheduled) -> int:
+        """Drafts this step proposes: the most any sampling request asks for (adaptive speculation)."""
+        wanted = [self.spec.num_speculative_tokens if s.num_next_drafts is None else s.num_next_drafts
+                  for s in scheduled if s.samples]
+        return max(wanted, default=0)
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
-        k = self.spec.num_speculative_tokens
+        k = self.next_k(scheduled)
+        verified = len(scheduled[0].draft_token_ids) if scheduled else 0
         static = self.static_shapes and all(
-            s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled)
+            s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == verified for s in scheduled)
         rows, hidden_idx, last, drafting, prefixes = [], [], [], [], []
         for i, s in enumerate(scheduled):
             accepted = len(results[i].new_token_ids) - 1 if s.samples else 0
@@ -65,19 +73,19 @@ class MTPProposer:
                 prefixes.append(prefix.to(hidden.dtype))
                 s.req.mtp_prefix_hidden = None
             if static:   # the seed's static shapes: 1+k tokens (their KV written), the layer run at the accepted index
-                row_tokens = row_tokens + [row_tokens[-1]] * (1 + k - valid)
+                row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - valid)
             rows.append(Row(row_tokens, start, s.req.block_ids))
             own = len(row_tokens) - (prefix is not None)
             hidden_idx.extend(range(offsets[i], offsets[i] + own))
             last.append(len(hidden_idx) - len(row_tokens) + valid - 1)
-            if s.samples:
+            if s.samples and k:   # (k = 0: the pass only fills the MTP cache, for when drafting resumes)
                 drafting.append(i)
         # A checkpoint with its own layer for depth j+1 runs it as trained: over the same positions as depth 1,
         # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
         # Graph mode (static shapes) drafts every depth with layer 0, one token per pass (DeepSeek-V3 ships one
         # layer); its graphs have no chained variant, and a layer it ran only now and then would attend over a
         # cache it never filled.
-        chain = not self.static_shapes and min(k, self.model.num_mtp_layers) > 1
+        chain = self._chains()
         if prefixes:
             hidden = torch.cat([hidden, torch.stack(prefixes)])
         out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=None if chain else last)
@@ -136,23 +144,31 @@ class MTPProposer:
             return
         drafts = torch.stack(drafts, dim=1).tolist()
         for n, i in enumerate(drafting):
-            results[i].next_drafts = drafts[n]
-            if draft_probs[0] is not None:
-                results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs])
+            s = scheduled[i]
+            wanted = k if s.num_next_drafts is None else s.num_next_drafts
+            results[i].next_drafts = drafts[n][:wanted] or None
+            if draft_probs[0] is not None and wanted:
+                results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
+
+    def _chains(self) -> bool:
+        """Whether depths run the checkpoint's own layers, chained as trained (eager, fixed k, more than one
+        layer used). Graph mode and adaptive k draft every depth with layer 0: a layer run only now and then
+        would attend over a cache it did not fill."""
+        k = self.spec.num_speculative_tokens
+        return not self.static_shapes and not self.spec.adaptive and min(k, self.model.num_mtp_layers) > 1
 
     def num_passes(self, scheduled) -> int:
-        """The MTP passes propose() runs for this step: k when a request drafts; else (prompt chunks only) the
-        first pass, plus the checkpoint's own layers (eager mode chains them over the chunks too)."""
-        k = self.spec.num_speculative_tokens
+        """The MTP passes propose() runs for this step: k when a request drafts (the first pass alone when k
+        is 0); else (prompt chunks only) the first pass, plus the own layers when they are chained."""
         if any(s.samples for s in scheduled):
-            return k
-        return 1 if self.static_shapes else max(min(k, self.model.num_mtp_layers), 1)
+            return max(self.next_k(scheduled), 1)
+        return self.min_last_chunk()
 
     def min_last_chunk(self) -> int:
         """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
         known for a chunk only inside the prompt, so the last positions must come with the sampled token."""
         k = self.spec.num_speculative_tokens
-        return 1 if self.static_shapes else max(min(k, self.model.num_mtp_layers), 1)
+        return min(k, self.model.num_mtp_layers) if self._chains() else 1
 
     def _draft(self, layer, hidden, reqs, positions):
         """Drafts one token per request, and the distribution it was drawn from over the whole vocabulary.
