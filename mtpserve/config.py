@@ -139,16 +139,17 @@ def check_int_in_range(field: str, value, low: int, high: int | None, what: str 
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "mtp"                     # "mtp" (alias "deepseek_mtp") | "ngram" (prompt lookup, spec/ngram.py)
+    method: str = "mtp"                     # "mtp" (alias "deepseek_mtp") | "ngram" (prompt lookup, spec_decode/ngram.py)
     num_speculative_tokens: int = 1
     draft_sampling: str = "probabilistic"   # "probabilistic" | "greedy"
     verification: str = "token"             # "token" | "block"
     scorer: str = "mqa"                     # "mqa" | "batch_expansion"
     synthetic_acceptance: float | None = None  # measurement mode only (bench); never lossless
     allow_lossy_measurement: bool = False      # the explicit opt-in synthetic_acceptance needs (bench sets it)
-    draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec/draft_vocab.py)
+    draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec_decode/draft_vocab.py)
     prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (4 when not given)
     prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
+    adaptive: bool = False                   # mtp: k in [0, num_speculative_tokens] chosen each step (spec_decode/adaptive.py)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -176,6 +177,12 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.synthetic_acceptance: a benchmark measurement mode whose output is "
                              "NOT the model's (drafts pass by coin flip); it needs \"allow_lossy_measurement\": true "
                              "(mtpserve bench --synthetic-acceptance sets it)")
+        if not isinstance(cfg.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive = {cfg.adaptive!r}: must be true or false")
+        if cfg.adaptive and cfg.method != "mtp":
+            raise ValueError("speculative_config.adaptive: only for method 'mtp'")
+        if cfg.adaptive and cfg.synthetic_acceptance is not None:
+            raise ValueError("speculative_config.adaptive: not with synthetic_acceptance")
         only_for = {"draft_vocab_size": "mtp", "prompt_lookup_max": "ngram", "prompt_lookup_min": "ngram"}
         for name, method in only_for.items():
             if getattr(cfg, name) is not None and cfg.method != method:

@@ -99,7 +99,7 @@ def test_bench_latency_eager_and_graph_side_by_side(ckpt, tmp_path):
 def test_bench_latency_draft_vocab_axis(ckpt, tmp_path):
     from mtpserve.bench import report
     from mtpserve.config import ModelConfig
-    from mtpserve.spec.draft_vocab import write_frequencies
+    from mtpserve.spec_decode.draft_vocab import write_frequencies
     vocab = ModelConfig.from_pretrained(ckpt).vocab_size
     write_frequencies(ckpt, list(range(vocab)), "test counts")
     rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,1", "--draft-vocab-sizes", "0,16",

@@ -10,7 +10,7 @@ import torch
 
 from mtpserve import LLM, SamplingParams, default_model_path
 from mtpserve.config import SpeculativeConfig
-from mtpserve.spec.draft_vocab import FREQUENCIES_FILE, top_tokens, write_frequencies
+from mtpserve.spec_decode.draft_vocab import FREQUENCIES_FILE, top_tokens, write_frequencies
 from tiny_models import PATTERN_VOCAB, trained_checkpoint
 from test_spec_decode import GREEDY, check_metrics, prompts_for, run
 

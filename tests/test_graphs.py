@@ -64,7 +64,7 @@ def test_graph_mode_flags():
     """--graph-mode asks for graphs (also on the CPU), --graph-batch-sizes sets the sizes, and asking for
     graphs and for eager at once is refused."""
     import argparse
-    from mtpserve.cli import add_engine_args, engine_kwargs
+    from mtpserve.engine_args import add_engine_args, engine_kwargs
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     kw = engine_kwargs(parser.parse_args(["--graph-mode", "--graph-batch-sizes", "1,4"]))

@@ -3,7 +3,7 @@ import pytest
 
 from mtpserve import LLM, SamplingParams
 from mtpserve.config import SpeculativeConfig
-from mtpserve.spec.ngram import find_continuation
+from mtpserve.spec_decode.ngram import find_continuation
 from tiny_models import random_checkpoint, trained_checkpoint
 from test_spec_decode import check_metrics, run
 

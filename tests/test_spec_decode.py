@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from mtpserve import LLM, SamplingParams
 from mtpserve.model.loader import load_model
-from mtpserve.spec.draft_vocab import write_frequencies
+from mtpserve.spec_decode.draft_vocab import write_frequencies
 from tiny_models import pattern_batch, random_checkpoint, trained_checkpoint
 
 
@@ -76,7 +76,7 @@ def test_greedy_with_chunked_prefill_and_preemption(trained1, k):
 
 def test_seeded_sampling_same_with_speculation_and_preemption(trained1):
     """A seeded request's draws are keyed on its token positions, and argmax drafts are verified by coupling
-    (spec/verify.py): its sampled tokens are those of plain sampling with the same seed, with or without
+    (spec_decode/verify.py): its sampled tokens are those of plain sampling with the same seed, with or without
     speculation, with or without preemption."""
     prompts = prompts_for() * 5   # 30 requests
     params = [SamplingParams(temperature=0.8, top_k=40, seed=100 + i, max_tokens=24, ignore_eos=True)
@@ -101,6 +101,26 @@ def test_three_mtp_layers(trained3, k):
     assert out == base
     check_metrics(m, k)
     assert m["acceptance_rate"] > 0.3
+
+
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole-prompts", "chunked"])
+def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget):
+    """3 MTP layers, k=4: the depth past the checkpoint's own layers runs layer 0, and prompt chunks must fill
+    the own layers' caches too: every MTP cache slot a pass attends to was written by the model, so drafts (and
+    acceptance) do not depend on what the MTP caches held before (filled with noise here)."""
+    prompts = prompts_for()
+    runs = []
+    for noise in (False, True):
+        kw = {"max_num_batched_tokens": budget} if budget else {}
+        llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 4}, **kw)
+        if noise:
+            gen = torch.Generator().manual_seed(0)
+            for cache in llm.engine.runner.mtp_caches:
+                cache.copy_(torch.randn(cache.shape, generator=gen) * 3)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
+    assert runs[0] == runs[1]
+    assert runs[0][1][3] > 0   # the 4th draft (layer 0 again) is accepted at times
 
 
 def test_random_model_and_moe(random_ckpt):
@@ -155,7 +175,7 @@ def exact_joint(path, prompt, params, n_tokens):
 def test_sampling_is_lossless(tmp_path_factory, spec):
     """Chi-square of the first two generated tokens over many seeded requests against the exact joint
     distribution computed from the model itself (vocab 6, so 36 cells). "seeded": every request has its own
-    seed (coupled verification of sampled drafts, spec/verify.py), else all draw from the engine's generator."""
+    seed (coupled verification of sampled drafts, spec_decode/verify.py), else all draw from the engine's generator."""
     spec = dict(spec)
     seeded = spec.pop("seeded", False)
     path = random_checkpoint(tmp_path_factory.mktemp("v6"), vocab_size=6, eos_token_id=None, bos_token_id=None)

@@ -1,4 +1,4 @@
-"""Tests of mtpserve.spec.verify against closed forms and the target distribution (statistical tests with fixed
+"""Tests of mtpserve.spec_decode.verify against closed forms and the target distribution (statistical tests with fixed
 seeds; thresholds: chi-square p-value > 1e-3, means within 5 binomial/sample standard errors)."""
 import itertools
 import math
@@ -8,7 +8,8 @@ import pytest
 import torch
 from scipy import stats
 
-from mtpserve.spec.verify import sample_from, verify_tokens
+from mtpserve.sampling.sampler import sample
+from mtpserve.spec_decode.verify import verify_tokens
 
 METHODS = ["token", "block"]
 
@@ -110,12 +111,12 @@ def test_mixed_batch_and_edge_cases(method):
     assert (extra[g] == am[g, match[g]]).all()
 
 
-def test_sample_from():
+def test_sample():
     gen = torch.Generator().manual_seed(2)
     probs = torch.tensor([0.0, 2.0, 1.0, 0.0, 1.0])  # unnormalized
     N = 100_000
     noise = torch.empty(N, 5).exponential_(1.0, generator=gen)
-    x = sample_from(probs.expand(N, 5), noise)
+    x = sample(probs.expand(N, 5), noise)
     assert chi2_pvalue(x.numpy(), (probs / probs.sum()).numpy()) > 1e-3
     assert not ((x == 0) | (x == 3)).any()
 

@@ -45,7 +45,7 @@ def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, en
 
 def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b") -> dict:
     """Runs `prompts` as one batch to completion; -> per-request metrics, totals, spec counters, tokens."""
-    from mtpserve.spec.metrics import SpecDecodeMetrics
+    from mtpserve.spec_decode.metrics import SpecDecodeMetrics
     if engine.spec_metrics is not None:
         engine.spec_metrics = SpecDecodeMetrics(engine.spec_metrics.num_speculative_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

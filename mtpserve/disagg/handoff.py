@@ -115,6 +115,6 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     req.draft_token_ids, req.draft_probs = list(h.draft_token_ids), h.draft_probs
     if h.last_hidden is not None:
         req.mtp_prefix_hidden = h.last_hidden.to(engine.device)
-    if pad_drafts and not h.draft_token_ids and k and engine.config.speculative.method == "mtp":
+    if pad_drafts and not h.draft_token_ids and k and engine.runner.proposer.always_drafts:
         req.draft_token_ids, req.placeholder_drafts = [0] * k, True
 

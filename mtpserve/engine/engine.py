@@ -13,7 +13,9 @@ from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
 from mtpserve.sampling_params import SamplingParams
-from mtpserve.spec.metrics import SpecDecodeMetrics
+from mtpserve.spec_decode import adaptive
+from mtpserve.spec_decode.adaptive import AdaptiveK
+from mtpserve.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("mtpserve")
 
@@ -42,8 +44,9 @@ class LLMEngine:
         self.runner = self.executor.runner          # this process's rank (rank 0)
         self.model = self.runner.model
         self.device, self.dtype = self.runner.device, setup.dtype
+        min_last_chunk = self.runner.proposer.min_last_chunk() if self.runner.proposer else 1
         self.cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size), cfg.max_num_seqs,
-                                cfg.max_num_batched_tokens, self.num_lookahead_slots)
+                                cfg.max_num_batched_tokens, self.num_lookahead_slots, min_last_chunk)
                       for _ in range(cfg.data_parallel_size)]   # one scheduler per data-parallel rank
         self.scheduler = self.cores[0] if len(self.cores) == 1 else DataParallelScheduler(self.cores)
         self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)
@@ -55,12 +58,22 @@ class LLMEngine:
                         len(self.runner.graphs.graphs), cfg.graph_batch_sizes, self.graph_warmup_seconds, cache_dir())
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
+        self.adaptive = AdaptiveK(k) if cfg.speculative and cfg.speculative.adaptive else None
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
         self.children: dict[str, list[Request]] = {}
         self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
+        if self.adaptive is not None:
+            start = time.monotonic()
+            adaptive.calibrate(self, self.adaptive)
+            self.spec_metrics = SpecDecodeMetrics(k)
+            for core in self.cores:
+                core.num_preemptions = 0
+            logger.info("adaptive speculation: step costs calibrated in %.1fs: %s", time.monotonic() - start,
+                        {k: {b: round(s * 1e3, 2) for b, s in sorted(t.items())}
+                         for k, t in self.adaptive.step_seconds.items()})
 
     @property
     def max_num_seqs(self) -> int:
@@ -156,7 +169,11 @@ class LLMEngine:
         self.num_padded_handoff_steps += any(s.req.placeholder_drafts for s in scheduled)
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
+        k_next = adaptive.plan_drafts(self.adaptive, scheduled) if self.adaptive is not None else None
+        start = time.perf_counter()
         results = self._execute_isolating(scheduled)
+        if self.adaptive is not None:
+            adaptive.observe(self.adaptive, scheduled, results, k_next, time.perf_counter() - start)
         now = time.monotonic()
         progressed = []
         for s, r in zip(scheduled, results):
@@ -263,7 +280,10 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------------------
     def get_metrics(self) -> dict:
-        return self.spec_metrics.as_dict() if self.spec_metrics else SpecDecodeMetrics(0).as_dict()
+        metrics = self.spec_metrics.as_dict() if self.spec_metrics else SpecDecodeMetrics(0).as_dict()
+        if self.adaptive is not None:   # steps that drafted k tokens, k = 0..num_speculative_tokens
+            metrics["draft_steps_by_k"] = list(self.adaptive.choices)
+        return metrics
 
     def get_stats(self) -> dict:
         cores = self.cores

@@ -18,6 +18,7 @@ class ScheduledRequest:
     start: int                   # position of the first query token (= tokens already in the KV cache)
     num_new_tokens: int          # known tokens computed this step (a prompt chunk, or the pending token)
     draft_token_ids: list[int]   # drafts verified after them (only when the request samples this step)
+    num_next_drafts: int | None = None   # drafts to propose for its next step (None: num_speculative_tokens)
 
     @property
     def samples(self) -> bool:
@@ -30,11 +31,12 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_lookahead_slots: int):
+                 num_lookahead_slots: int, min_last_chunk: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead_slots = num_lookahead_slots   # KV slots the MTP draft passes write ahead
+        self.min_last_chunk = min_last_chunk             # a chunked prompt's last chunk holds at least this many
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}   # finished, KV kept for a decode server to pull (disagg/)
@@ -60,6 +62,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             item = self._plan(req, budget)
+            if item is None:
+                break
             while not self.block_manager.allocate(req, self._slots_needed(item)):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -73,6 +77,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             item = self._plan(req, budget)
+            if item is None:
+                break
             if not self.block_manager.allocate(req, self._slots_needed(item)):
                 break
             self.waiting.popleft()
@@ -82,9 +88,13 @@ class Scheduler:
             budget -= item.num_query_tokens
         return scheduled
 
-    def _plan(self, req: Request, budget: int) -> ScheduledRequest:
+    def _plan(self, req: Request, budget: int) -> ScheduledRequest | None:
         remaining = req.num_tokens - req.num_computed_tokens
         num_new = min(remaining, budget)
+        if num_new < remaining and remaining - num_new < self.min_last_chunk:
+            num_new = remaining - self.min_last_chunk   # (Proposer.min_last_chunk: MTP own layers)
+            if num_new <= 0:
+                return None
         drafts = req.draft_token_ids if num_new == remaining else []
         if num_new + len(drafts) > budget:
             drafts = []   # the budget is nearly spent: verify nothing this step, draft again after

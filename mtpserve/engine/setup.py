@@ -9,6 +9,7 @@ from mtpserve.distributed.launch import Launch, check_devices, end_processes
 from mtpserve.executor.worker import RankSetup, run_rank, worker_process
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from mtpserve.model.parallel import parallel_layout
+from mtpserve.spec_decode.proposer import proposer_class
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -28,9 +29,9 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
     path = cfg.model or default_model_path()
     model_config = ModelConfig.from_pretrained(path)
     spec = cfg.speculative
-    if spec is not None and spec.method == "mtp" and model_config.num_nextn_predict_layers == 0:
-        raise ValueError("speculative_config: method 'mtp' needs a checkpoint with MTP layers "
-                         "(num_nextn_predict_layers = 0 in its config.json)")
+    drafter = proposer_class(spec)
+    if drafter is not None:
+        drafter.check(model_config, spec)
     device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
     limit = model_config.max_position_embeddings
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
@@ -39,8 +40,7 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
     if cfg.max_num_batched_tokens < 1 + k:
         raise ValueError(f"max_num_batched_tokens = {cfg.max_num_batched_tokens}: must be at least "
                          f"1 + num_speculative_tokens = {1 + k}")
-    # MTP passes 1..k-1 write up to k-1 slots past the verified ones (n-gram drafting writes none)
-    lookahead = k if spec is not None and spec.method == "mtp" else 0
+    lookahead = drafter.lookahead_slots(spec) if drafter is not None else 0
     check_int_in_range("tensor_parallel_size", cfg.tensor_parallel_size, 1, None)
     check_int_in_range("data_parallel_size", cfg.data_parallel_size, 1, None)
     tp, ep = parallel_layout(cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.enable_expert_parallel)

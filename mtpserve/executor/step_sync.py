@@ -29,6 +29,7 @@ class ScheduledItem:
     block_ids: list[int]
     new_token_ids: list[int]            # tokens of the request the worker has not seen yet
     first_seen: tuple | None = None     # (params, index) the first time the request is sent
+    num_next_drafts: int | None = None
 
 
 @dataclass
@@ -57,7 +58,7 @@ class StepSender:
             first = (req.params, req.index) if self.num_sent[rid] == 0 else None
             tokens = req.all_token_ids
             items.append(ScheduledItem(rid, s.start, s.num_new_tokens, list(s.draft_token_ids), list(req.block_ids),
-                                       tokens[self.num_sent[rid]:], first))
+                                       tokens[self.num_sent[rid]:], first, s.num_next_drafts))
             self.num_sent[rid] = len(tokens)
         return StepMessage(items, forget)
 
@@ -81,7 +82,8 @@ class RequestMirror:
             req = self.requests[item.request_id]
             req.output_token_ids += item.new_token_ids
             req.block_ids = item.block_ids
-            scheduled.append(ScheduledRequest(req, item.start, item.num_new_tokens, item.draft_token_ids))
+            scheduled.append(ScheduledRequest(req, item.start, item.num_new_tokens, item.draft_token_ids,
+                                              item.num_next_drafts))
         return scheduled
 
     @staticmethod

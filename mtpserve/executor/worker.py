@@ -16,8 +16,8 @@ from mtpserve.executor.step_sync import (PASS_COUNTS, RequestMirror, gather_to_f
 from mtpserve.model.loader import LoadStats, load_model
 from mtpserve.model.parallel import parallel_layout
 from mtpserve.runner.dp_sync import DataParallelSync
-from mtpserve.runner.model_runner import ModelRunner, num_mtp_caches
-from mtpserve.spec.draft_vocab import load_draft_vocab
+from mtpserve.runner.model_runner import ModelRunner, num_drafter_caches
+from mtpserve.spec_decode.draft_vocab import load_draft_vocab
 
 logger = logging.getLogger("mtpserve")
 
@@ -68,7 +68,7 @@ def kv_blocks_from_memory(setup: RankSetup, device: torch.device) -> int:
     """KV blocks that fit this rank's share of memory (the latent cache is whole on every rank), capped by
     what max_num_seqs requests of max_model_len can use."""
     mc, cfg = setup.model_config, setup.config
-    layers = mc.num_hidden_layers + num_mtp_caches(mc, cfg.speculative)
+    layers = mc.num_hidden_layers + num_drafter_caches(mc, cfg.speculative)
     bytes_per_block = layers * cfg.block_size * mc.kv_cache_dim * torch.finfo(setup.dtype).bits // 8
     if device.type == "cuda":
         budget = torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory_fraction

@@ -5,15 +5,12 @@ from dataclasses import dataclass
 import torch
 
 from mtpserve.config import SpeculativeConfig
-from mtpserve.engine.scheduler import ScheduledRequest
 from mtpserve.runner.batch import Row, build_batch
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.graphs import GraphRunner
-from mtpserve.sampling.sampler import (ACCEPT_UNIFORM, TARGET_NOISE, draw, logits_to_probs, sample,
-                                       sampling_tensors)
-from mtpserve.spec.ngram import NgramProposer
-from mtpserve.spec.proposer import MTPProposer
-from mtpserve.spec.verify import coupled_rows, verify_tokens
+from mtpserve.sampling.sampler import TARGET_NOISE, draw, sample, target_probs
+from mtpserve.spec_decode.proposer import make_proposer, proposer_class
+from mtpserve.spec_decode.verifier import Verifier
 
 
 @dataclass
@@ -26,20 +23,9 @@ class StepResult:
     last_hidden: torch.Tensor | None = None  # the sampled position's hidden state (requests that hold their KV)
 
 
-def stack_draft_probs(reqs, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, k, V] draft distributions; greedy requests carry none (their drafts are argmaxes): one-hot."""
-    probs = torch.zeros(*drafts.shape, vocab, device=drafts.device).scatter_(-1, drafts.unsqueeze(-1), 1.0)
-    for b, r in enumerate(reqs):
-        if r.draft_probs is not None:
-            probs[b] = r.draft_probs
-    return probs
-
-
-def num_mtp_caches(cfg, spec: SpeculativeConfig | None) -> int:
-    """MTP KV caches to allocate: one per MTP layer the drafts use (graph mode and DeepSeek-V3 use one)."""
-    if spec is None or spec.method != "mtp":
-        return 0
-    return max(1, min(cfg.num_nextn_predict_layers, spec.num_speculative_tokens))
+def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
+    cls = proposer_class(spec)
+    return 0 if cls is None else cls.num_kv_caches(cfg, spec)
 
 
 class ModelRunner:
@@ -52,7 +38,7 @@ class ModelRunner:
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
         # One more block than the manager hands out: slot -1 (padding) lands in its last row.
         self.kv_caches = [torch.zeros(num_blocks + 1, block_size, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
-                          for _ in range(cfg.num_hidden_layers + num_mtp_caches(cfg, spec))]
+                          for _ in range(cfg.num_hidden_layers + num_drafter_caches(cfg, spec))]
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.main_caches = self.kv_caches[:cfg.num_hidden_layers]
         self.mtp_caches = self.kv_caches[cfg.num_hidden_layers:]
@@ -63,12 +49,9 @@ class ModelRunner:
         self.dp = dp
         self.pass_counts = Counter()   # forwards run: "main", "mtp" and (DP) their dummies
         self._planned_passes = self._passes_run = self._step_passes = 0
-        self.proposer = None
-        if spec is not None and spec.method == "mtp":
-            self.proposer = MTPProposer(model, spec, self.forward, self.generator, device)
-            self.proposer.static_shapes = self.graphs is not None
-        elif spec is not None:   # one verify path for every drafter: only the proposer differs
-            self.proposer = NgramProposer(spec)
+        # one verify path for every drafter: only the proposer differs
+        self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
+        self.verifier = Verifier(spec, model, self.generator, device) if spec is not None else None
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
@@ -94,13 +77,9 @@ class ModelRunner:
         if self.graphs is None:
             return 0.0
         k = self.spec.num_speculative_tokens if self.spec else 0
-        shapes = [("main", 1 + k)]
-        if k and self.spec.method != "mtp":   # n-gram: a request whose context has no match decodes one token
-            shapes.append(("main", 1))
-        elif k:
-            shapes.append(("mtp0", 1 + k))
-            shapes += [("mtp0", 1)] if k > 1 else []   # graph mode drafts every depth with layer 0
-        self.graphs.warm_up(shapes)
+        verified = range(k + 1) if self.spec is not None and self.spec.adaptive else [k]
+        shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
+        self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
 
     def _forward_in_step(self, what, rows, prev_hidden, output_index):
@@ -131,10 +110,8 @@ class ModelRunner:
         return [Row([0] * q, 0, [0], 0)], prev_hidden, [0] if indexed else None
 
     def _mtp_passes(self, scheduled) -> int:
-        """MTP passes this step needs here: k when a request drafts, 1 when prompt chunks only fill the cache."""
-        if not scheduled or not isinstance(self.proposer, MTPProposer):
-            return 0
-        return self.spec.num_speculative_tokens if any(s.samples for s in scheduled) else 1
+        """Drafter passes this step runs here (Proposer.num_passes)."""
+        return self.proposer.num_passes(scheduled) if scheduled and self.proposer else 0
 
     def _finish_dp_step(self) -> None:
         """Data parallel: the MTP passes the busiest rank runs and this one did not, as dummies."""
@@ -143,7 +120,7 @@ class ModelRunner:
             self.forward(f"mtp{j if j < num_layers else 0}", [])
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+    def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (engine/scheduler.py)
         if self.dp is not None:
             self._planned_passes, self._passes_run = self._mtp_passes(scheduled), 0
             if not scheduled:   # nothing here: the same forwards as the others, on padding
@@ -165,8 +142,9 @@ class ModelRunner:
         results = [StepResult([]) for _ in scheduled]
         self._sample([i for i, s in enumerate(scheduled) if s.samples and not s.draft_token_ids],
                      scheduled, hidden, offsets, results)
-        self._verify([i for i, s in enumerate(scheduled) if s.samples and s.draft_token_ids],
-                     scheduled, hidden, offsets, results)
+        verifying = [i for i, s in enumerate(scheduled) if s.samples and s.draft_token_ids]
+        if verifying:
+            self.verifier(verifying, scheduled, hidden, offsets, results)
         if self.proposer is not None:
             self.proposer.propose(scheduled, hidden, offsets, results)
         if self.dp is not None:
@@ -177,17 +155,13 @@ class ModelRunner:
         """Drafters other than MTP leave a request without drafts when they find none; in graph mode a decode
         batch mixing such requests with ones verifying k drafts is padded to 1+k tokens each, so that it runs
         as a graph. (MTP drafts for every request.) 0: no padding."""
-        if self.graphs is None or self.spec is None or self.spec.method == "mtp" or self.spec.scorer != "mqa":
+        if self.graphs is None or self.proposer is None or self.proposer.always_drafts or self.spec.scorer != "mqa":
             return 0
         counts = {len(s.draft_token_ids) for s in scheduled}
         if (len(counts) == 1 or self.graphs.padded_size(len(scheduled)) is None
                 or not all(s.samples and s.num_new_tokens == 1 for s in scheduled)):
             return 0
         return 1 + max(counts)
-
-    def _target_probs(self, reqs, hidden_rows, repeats):
-        logits = self.model.compute_logits(hidden_rows)
-        return logits_to_probs(logits, *sampling_tensors(reqs, repeats, self.device))
 
     def _sample(self, idx, scheduled, hidden, offsets, results):
         if not idx:
@@ -197,7 +171,7 @@ class ModelRunner:
         if all(r.params.greedy for r in reqs):   # no distribution needed: the argmax is the sample
             tokens = self.model.compute_logits(last_hidden).argmax(-1)
         else:
-            probs = self._target_probs(reqs, last_hidden, None)
+            probs = target_probs(self.model.compute_logits(last_hidden), reqs, None, self.device)
             noise = draw([r.seed for r in reqs], [r.num_tokens for r in reqs], 1, probs.shape[-1], "exponential",
                          TARGET_NOISE, self.generator, self.device, [r.params.greedy for r in reqs])
             tokens = sample(probs, noise[:, 0])
@@ -206,64 +180,3 @@ class ModelRunner:
             if scheduled[i].req.hold_kv:   # a prefill server may ship it (disagg scheme 2)
                 results[i].last_hidden = last_hidden[j].clone()
 
-    def _verify(self, idx, scheduled, hidden, offsets, results):
-        if not idx:
-            return
-        k = len(scheduled[idx[0]].draft_token_ids)
-        reqs = [scheduled[i].req for i in idx]
-        rows = [offsets[i] + scheduled[i].num_query_tokens - k - 1 + j for i in idx for j in range(k + 1)]
-        drafts = torch.tensor([scheduled[i].draft_token_ids for i in idx], device=self.device)
-        if self.spec.synthetic_acceptance is None and all(r.params.greedy for r in reqs):
-            # greedy matching: keep drafts while they equal the target's argmax, then one argmax more
-            target_ids = self.model.compute_logits(hidden[rows]).argmax(-1).view(len(idx), k + 1)
-            accepted = (drafts == target_ids[:, :k]).long().cumprod(-1).sum(-1)
-            return self._record(idx, target_ids, self._reject_placeholders(reqs, accepted), k, results, reqs)
-        target = self._target_probs(reqs, hidden[rows], [k + 1] * len(idx)).view(len(idx), k + 1, -1)
-        seeds, positions = [r.seed for r in reqs], [r.num_tokens for r in reqs]
-        greedy = [r.params.greedy for r in reqs]
-        synthetic = self.spec.synthetic_acceptance is not None   # its coin flips are real even for greedy rows
-        draft_probs = None
-        if not synthetic and self.spec.draft_sampling == "probabilistic" and any(r.draft_probs is not None for r in reqs):
-            draft_probs = stack_draft_probs(reqs, drafts, target.shape[-1])
-        coupled = coupled_rows(draft_probs, self.spec.verification, [s is not None for s in seeds])
-        uniforms = None
-        if synthetic or not all(coupled):
-            uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, self.generator, self.device,
-                            None if synthetic else greedy)[..., 0]
-        noise = draw(seeds, positions, k + 1, target.shape[-1], "exponential", TARGET_NOISE, self.generator,
-                     self.device, greedy)
-        if synthetic:
-            tokens, accepted = self._synthetic(drafts, target, uniforms, noise)
-        else:
-            tokens, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise, self.spec.verification,
-                                             coupled)
-            placeholder = [b for b, r in enumerate(reqs) if r.placeholder_drafts]
-            if placeholder:   # the token after the pending one, drawn from the target alone: a plain sample
-                tokens[placeholder, 0] = sample(target[placeholder, 0], noise[placeholder, 0])
-                accepted = self._reject_placeholders(reqs, accepted)
-        self._record(idx, tokens, accepted, k, results, reqs)
-
-    @staticmethod
-    def _reject_placeholders(reqs, accepted: torch.Tensor) -> torch.Tensor:
-        """Placeholder drafts (a decode server's first step for a request handed over without drafts) only
-        give the step its 1+k shape: none is accepted, whatever it is."""
-        if any(r.placeholder_drafts for r in reqs):
-            accepted = accepted.masked_fill(torch.tensor([r.placeholder_drafts for r in reqs], device=accepted.device), 0)
-        return accepted
-
-    @staticmethod
-    def _record(idx, tokens, accepted, k, results, reqs):
-        for i, row, a, r in zip(idx, tokens.tolist(), accepted.tolist(), reqs):
-            results[i].new_token_ids = row[:a + 1]
-            if not r.placeholder_drafts:   # (placeholders are not drafts: acceptance counts only real ones)
-                results[i].num_drafts, results[i].num_accepted = k, a
-
-    def _synthetic(self, drafts, target, uniforms, noise):
-        """Measurement mode (bench --synthetic-acceptance): each draft passes with a fixed probability,
-        whatever the models say. Measures the machinery's cost on random weights; NOT lossless."""
-        passed = (uniforms < self.spec.synthetic_acceptance).long()
-        accepted = passed.cumprod(-1).sum(-1)
-        extra = sample(target, noise)                       # [B, k+1]
-        tokens = torch.cat([drafts, extra[:, -1:]], dim=-1)
-        tokens.scatter_(1, accepted.unsqueeze(-1), extra.gather(1, accepted.unsqueeze(-1)))
-        return tokens, accepted

@@ -84,7 +84,16 @@ def _fill(t: torch.Tensor, kind: str, gen: torch.Generator) -> None:
 
 
 def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    return (probs / noise).argmax(-1)
+    """The one sampling routine (target tokens, drafts, recovered and bonus tokens): the exponential race
+    argmax(probs / noise), noise ~ Exp(1) i.i.d., is a draw from probs (normalised or not). probs [..., V] ->
+    [...] long; zero-probability entries are never chosen (unless the whole row is zero, which callers avoid)."""
+    noise = noise.to(probs.dtype).clamp_min(torch.finfo(probs.dtype).tiny)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def target_probs(logits: torch.Tensor, reqs, repeats: list[int] | None, device) -> torch.Tensor:
+    """The distributions of reqs' rows (request i repeated repeats[i] times) under their sampling parameters."""
+    return logits_to_probs(logits, *sampling_tensors(reqs, repeats, device))
 
 
 def sampling_tensors(reqs, repeats: list[int] | None = None, device="cpu"):

@@ -68,6 +68,12 @@ class EngineCollector:
         for pos, n in enumerate(spec.get("accepted_per_position") or []):
             g.add_metric([self.model_name, str(pos)], float(n))
         yield g
+        if spec.get("draft_steps_by_k") is not None:   # adaptive speculation: the k each step drafted
+            g = CounterMetricFamily("mtpserve:spec_decode_draft_steps_by_k", "Steps that drafted k tokens "
+                                    "(adaptive speculation).", labels=["model_name", "k"])
+            for k, n in enumerate(spec["draft_steps_by_k"]):
+                g.add_metric([self.model_name, str(k)], float(n))
+            yield g
         yield self._gauge("mtpserve:spec_decode_acceptance_rate", "Accepted / proposed draft tokens.",
                           spec.get("acceptance_rate"))
         yield self._gauge("mtpserve:spec_decode_mean_acceptance_length",

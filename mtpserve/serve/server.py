@@ -5,10 +5,10 @@
 """
 import argparse
 import asyncio
-import json
 import logging
 import os
 
+from mtpserve.engine_args import add_engine_args, engine_kwargs
 from mtpserve.serve.guards import LOOPBACK_HOSTS
 from mtpserve.serve.openai_api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN, build_app
 
@@ -16,24 +16,12 @@ logger = logging.getLogger("mtpserve.serve")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from mtpserve.cli import add_graph_args, add_parallel_args, add_quantization_arg
+    add_engine_args(parser)
     a = parser.add_argument
-    a("--model", default=None, help="HF checkpoint directory (default: the shipped default model)")
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
     a("--served-model-name", nargs="+", default=None,
       help="name(s) clients use in 'model' (default: the --model value, or 'mtpserve-default')")
-    a("--speculative-config", default=None,
-      help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' (default: no speculation)')
-    a("--max-num-seqs", type=int, default=64)
-    a("--max-model-len", type=int, default=None)
-    a("--max-num-batched-tokens", type=int, default=None)
-    a("--num-kv-blocks", type=int, default=None)
-    add_graph_args(parser)
-    add_parallel_args(parser)
-    add_quantization_arg(parser)
-    a("--dtype", default="auto")
-    a("--seed", type=int, default=0)
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' on every path but /health (default: $MTPSERVE_API_KEY, which "
            "keeps the key out of `ps`)")
@@ -55,23 +43,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
            "kv_ip, mtp_handoff drafts|hidden, kv_transfer_timeout, kv_pull_timeout (mtpserve/disagg/connector.py)")
     a("--uvicorn-log-level", default="warning")
     return parser
-
-
-def engine_kwargs(args) -> dict:
-    from mtpserve.cli import graph_kwargs, parallel_kwargs
-    spec = None
-    if args.speculative_config:
-        try:
-            spec = json.loads(args.speculative_config)
-        except ValueError as e:
-            raise SystemExit(f"--speculative-config is not valid JSON: {e}")
-    kwargs = dict(model=args.model, speculative_config=spec, **graph_kwargs(args),
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
-                  **parallel_kwargs(args))
-    if args.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    return kwargs
 
 
 def build_engine(args):

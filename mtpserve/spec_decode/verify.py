@@ -44,15 +44,9 @@ inputs), p_t is used instead.
 import torch
 from torch import Tensor
 
+from mtpserve.sampling.sampler import sample
+
 _BIG_LOG = 1.0e4  # cap on a log ratio (q(d) = 0): large enough to saturate w at 1 from any w > e^-1e4
-
-
-def sample_from(probs: Tensor, noise: Tensor) -> Tensor:
-    """Exponential-race sampling: argmax(probs / noise) with noise ~ Exp(1) i.i.d. is a draw from probs
-    (normalized or not). probs [..., V] -> [...] long. Zero-probability entries are never chosen (unless the
-    row is all zero, which callers avoid)."""
-    noise = noise.to(probs.dtype).clamp_min(torch.finfo(probs.dtype).tiny)
-    return torch.argmax(probs / noise, dim=-1)
 
 
 def _gather_last(x: Tensor, idx: Tensor) -> Tensor:
@@ -99,7 +93,7 @@ def coupled_rows(draft_probs: Tensor | None, method: str, seeded: list[bool]) ->
 
 
 def _coupled(draft_tokens: Tensor, target: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
-    drawn = sample_from(target, noise)                                                # [B, k+1]
+    drawn = sample(target, noise)                                                # [B, k+1]
     k = draft_tokens.shape[1]
     tau = (draft_tokens == drawn[:, :k]).long().cumprod(dim=1).sum(dim=1)
     pos = torch.arange(k + 1, device=target.device)
@@ -168,7 +162,7 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     resid = resid.clamp_min(0)
     ok = (resid.sum(-1) > 0).unsqueeze(-1)
     resid = torch.where(ok, resid, p_tau)
-    extra = sample_from(resid, noise[rows, tau])
+    extra = sample(resid, noise[rows, tau])
 
     pos = torch.arange(k + 1, device=device)
     drafts_padded = torch.cat([draft_tokens, torch.full((B, 1), -1, dtype=torch.long, device=device)], dim=1)

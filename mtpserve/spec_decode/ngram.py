@@ -34,8 +34,32 @@ def find_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list
 
 
 class NgramProposer:
-    def __init__(self, spec):
+    """Prompt lookup: no model, no KV cache; a request whose context has no match goes without drafts."""
+    always_drafts = False
+
+    def __init__(self, spec, **unused):
         self.k, self.max_n, self.min_n = spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
+
+    @classmethod
+    def check(cls, model_config, spec) -> None:
+        pass
+
+    @classmethod
+    def num_kv_caches(cls, model_config, spec) -> int:
+        return 0
+
+    @classmethod
+    def lookahead_slots(cls, spec) -> int:
+        return 0
+
+    def num_passes(self, scheduled) -> int:
+        return 0
+
+    def min_last_chunk(self) -> int:
+        return 1
+
+    def graph_shapes(self) -> list[tuple[str, int]]:
+        return [("main", 1)]   # a request without a match decodes one token
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts for every request that sampled this step and whose context repeats."""

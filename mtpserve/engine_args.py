@@ -1,0 +1,89 @@
+"""The engine's command-line flags, defined once for `mtpserve generate`, `mtpserve serve` (and the tests):
+vLLM's names, engine keyword arguments out."""
+import argparse
+import json
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF DeepSeek-V3 checkpoint directory (default: the shipped model)")
+    p.add_argument("--speculative-config", default=None, type=json_object,
+                   help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (default: no speculation)')
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, prompt chunks included (default: the engine's, 2048)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto")
+    add_quantization_arg(p)
+    p.add_argument("--device", default="auto")
+    add_graph_args(p)
+    add_parallel_args(p)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "none"],
+                   help="fp8: linear weights in FP8 in memory (an FP8 checkpoint is kept so by default; a bf16 one is "
+                        "quantized as it loads); none: dequantize an FP8 checkpoint")
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor / data / expert parallelism and multi-node flags (vLLM's / torchrun's names), shared by generate,
+    serve, bench."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks, one process each (spawned here; or started by torchrun)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="data-parallel ranks (engine cores: own scheduler and KV cache each), one process each")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="routed experts partitioned over all ranks (tokens dispatched to their experts' ranks)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are split over (run the same command on each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node (0 runs the engine and the server)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one; single node)")
+
+
+def parallel_kwargs(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                enable_expert_parallel=args.enable_expert_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
+                master_addr=args.master_addr, master_port=args.master_port)
+
+
+def add_graph_args(p: argparse.ArgumentParser) -> None:
+    """Graph-mode flags, shared by generate and serve (see graph_kwargs)."""
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="never use graphs (default: graphs on CUDA, eager on CPU)")
+    p.add_argument("--graph-mode", action="store_true",
+                   help="compiled decode steps also on the CPU (faster decode; ~10-100 s of compiling at start-up)")
+    p.add_argument("--graph-batch-sizes", default=None,
+                   help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
+
+
+def graph_kwargs(args) -> dict:
+    """--graph-mode / --enforce-eager / --graph-batch-sizes as engine keyword arguments (generate and serve)."""
+    if args.graph_mode and args.enforce_eager:
+        raise SystemExit("--graph-mode and --enforce-eager: choose one")
+    kw = dict(enforce_eager=False if args.graph_mode else args.enforce_eager)
+    if args.graph_batch_sizes:
+        kw["graph_batch_sizes"] = [int(b) for b in args.graph_batch_sizes.split(",")]
+    return kw
+
+
+def engine_kwargs(args) -> dict:
+    kwargs = dict(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                  dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
+                  **graph_kwargs(args), **parallel_kwargs(args))
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kwargs

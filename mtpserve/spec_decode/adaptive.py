@@ -1,0 +1,129 @@
+"""Adaptive speculation length: each step the engine picks how many tokens to draft, k in [0, max], for the
+step after it, to maximise the expected tokens per second.
+
+    tokens per second (k) = E[tokens per request | k] / seconds per step (batch size, k)
+
+E[tokens | k] = 1 + sum_{i=1..k} prod_{j<i} c_j, with c_j the acceptance of draft position j given every
+earlier one was accepted, counted (exponentially decayed, from a prior) over the drafts verified so far. The
+seconds per step come from a calibration at start-up (a few real steps per k at a few batch sizes; linear in
+the batch size between them) refined online from the steps the engine runs. k = 0 is plain decoding (the
+MTP's first pass still runs, without its head, so that its cache stays whole for when drafting resumes).
+Whatever k is picked, verification is lossless: only the number of drafts changes.
+"""
+import bisect
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 4.0   # before any draft is verified: a guess worth 4 drafts
+DECAY = 0.995                                # per verified draft: the counts follow a drifting workload
+SWITCH_MARGIN = 0.02                         # keep the current k unless another is 2% better (no flapping)
+
+
+@dataclass
+class AdaptiveK:
+    max_k: int
+    reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
+    accepted: list[float] = field(default_factory=list)   # ... and accepted at j
+    step_seconds: dict = field(default_factory=dict)      # k -> {batch size: seconds}, calibrated then refined
+    current: int | None = None
+    forced: int | None = None                             # (calibration) k to use whatever the rates say
+    choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
+
+    def __post_init__(self):
+        self.reached = self.reached or [PRIOR_WEIGHT] * self.max_k
+        self.accepted = self.accepted or [PRIOR_ACCEPTANCE * PRIOR_WEIGHT] * self.max_k
+        self.choices = self.choices or [0] * (self.max_k + 1)
+
+    # ---- what was measured ----
+    def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
+        for j in range(min(num_drafts, num_accepted + 1)):   # positions reached
+            self.reached[j] = self.reached[j] * DECAY + 1
+            self.accepted[j] = self.accepted[j] * DECAY + (num_accepted > j)
+
+    def observe_step(self, batch: int, k: int, seconds: float, weight: float = 0.2) -> None:
+        table = self.step_seconds.setdefault(k, {})
+        old = table.get(batch)
+        table[batch] = seconds if old is None else (1 - weight) * old + weight * seconds
+
+    # ---- the choice ----
+    def acceptance(self) -> list[float]:
+        return [a / r for a, r in zip(self.accepted, self.reached)]
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for c in self.acceptance()[:k]:
+            reach *= c
+            total += reach
+        return total
+
+    def seconds(self, batch: int, k: int) -> float | None:
+        """Step seconds at this batch size: measured, or interpolated linearly between measured sizes
+        (extrapolated from the nearest two beyond them)."""
+        table = self.step_seconds.get(k) or {}
+        if batch in table:
+            return table[batch]
+        sizes = sorted(table)
+        if not sizes:
+            return None
+        if len(sizes) == 1:
+            return table[sizes[0]]
+        i = min(max(bisect.bisect_left(sizes, batch), 1), len(sizes) - 1)
+        lo, hi = sizes[i - 1], sizes[i]
+        return max(table[lo] + (table[hi] - table[lo]) * (batch - lo) / (hi - lo), 1e-9)
+
+    def rate(self, batch: int, k: int) -> float:
+        s = self.seconds(batch, k)
+        return 0.0 if s is None else self.expected_tokens(k) / s
+
+    def choose(self, batch: int) -> int:
+        rates = [self.rate(batch, k) for k in range(self.max_k + 1)]
+        best = max(range(self.max_k + 1), key=lambda k: rates[k])
+        if self.current is not None and rates[self.current] * (1 + SWITCH_MARGIN) >= rates[best]:
+            best = self.current
+        self.current = best
+        self.choices[best] += 1
+        return best
+
+
+def plan_drafts(policy: AdaptiveK, scheduled) -> int:
+    """Picks k for this step's drafting (the next step's verification) and sets it on every request."""
+    k = policy.forced if policy.forced is not None else policy.choose(len(scheduled))
+    for s in scheduled:
+        s.num_next_drafts = k
+    return k
+
+
+def observe(policy: AdaptiveK, scheduled, results, k: int, seconds: float) -> None:
+    """Acceptance of the drafts verified this step; the step's time when it was a steady decode step (every
+    request verified k drafts and drafted k), the shape the cost table is keyed on."""
+    for r in results:
+        if not isinstance(r, Exception) and r.num_drafts:
+            policy.observe_verification(r.num_drafts, r.num_accepted)
+    if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
+        policy.observe_step(len(scheduled), k, seconds)
+
+
+def calibrate(engine, policy: AdaptiveK, prompt_len: int = 8, max_tokens: int = 5) -> None:
+    """Start-up: real decode steps for every k at batch sizes 1 and 16 (up to max_num_seqs), timed by the
+    engine's own step loop (observe), on random prompts; their acceptance is forgotten afterwards."""
+    import torch
+
+    from mtpserve.sampling_params import SamplingParams
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sizes = sorted({1, min(16, engine.max_num_seqs)})
+    for k in range(policy.max_k + 1):
+        for batch in sizes:
+            ids = [f"adaptive-calibration-{k}-{batch}-{i}" for i in range(batch)]
+            policy.forced = k
+            try:
+                for rid in ids:
+                    prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
+                    engine.add_request(rid, None, prompt, params)
+                while engine.has_unfinished_requests():
+                    engine.step()
+            finally:
+                for rid in ids:
+                    engine.abort_request(rid)
+    fresh = AdaptiveK(policy.max_k)
+    policy.forced, policy.current = None, None
+    policy.reached, policy.accepted, policy.choices = fresh.reached, fresh.accepted, fresh.choices

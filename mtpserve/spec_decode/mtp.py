@@ -1,0 +1,190 @@
+"""MTP drafting (DeepSeek-V3's predict phase).
+
+Pass 0 runs MTP layer 0 over every position whose main-model hidden state was computed this step and whose
+next token is now known (a prompt chunk; or the pending token plus the accepted drafts), with the tokens
+shifted by one. That fills the MTP KV cache exactly where the main cache is valid, and its output at the
+last position gives draft 1. Pass j uses MTP layer j if the checkpoint has it, else layer 0. A shared layer
+(DeepSeek-V3 ships one, so all passes share it and its cache) runs one token at the next position, fed draft j
+and the previous pass's output hidden state. A layer of its own runs as it was trained: over the same
+positions as pass 0, fed the previous depth's outputs there and the tokens shifted by j+1 (the last one being
+draft j), which also fills its own cache where it belongs. Graph mode uses layer 0 for every depth. Slots
+written past the accepted length are never read before being overwritten.
+"""
+import torch
+
+from mtpserve.runner.batch import Row
+from mtpserve.sampling.sampler import TARGET_NOISE, draw, logits_to_probs, sample, sampling_tensors
+
+
+class MTPProposer:
+    always_drafts = True
+
+    def __init__(self, spec, model, forward, generator, device, static_shapes: bool = False):
+        """forward(what, rows, prev_hidden) runs "mtp{layer}" on rows (graph or eager) -> hidden per token.
+        static_shapes: graph mode, whose first pass always covers 1+k tokens per request."""
+        self.model, self.spec, self.forward, self.generator, self.device = model, spec, forward, generator, device
+        self.static_shapes = static_shapes
+
+    @classmethod
+    def check(cls, model_config, spec) -> None:
+        if model_config.num_nextn_predict_layers == 0:
+            raise ValueError("speculative_config: method 'mtp' needs a checkpoint with MTP layers "
+                             "(num_nextn_predict_layers = 0 in its config.json)")
+
+    @classmethod
+    def num_kv_caches(cls, model_config, spec) -> int:
+        """One per MTP layer the drafts use (graph mode and DeepSeek-V3 use one)."""
+        return max(1, min(model_config.num_nextn_predict_layers, spec.num_speculative_tokens))
+
+    @classmethod
+    def lookahead_slots(cls, spec) -> int:
+        return spec.num_speculative_tokens   # passes 1..k-1 write up to k-1 slots past the verified ones
+
+    def graph_shapes(self) -> list[tuple[str, int]]:
+        k = self.spec.num_speculative_tokens
+        verified = range(k + 1) if self.spec.adaptive else [k]   # the first pass covers 1 + the drafts verified
+        return [("mtp0", 1 + v) for v in verified] + ([("mtp0", 1)] if k > 1 else [])   # later depths: one token
+
+    def next_k(self, scheduled) -> int:
+        """Drafts this step proposes: the most any sampling request asks for (adaptive speculation)."""
+        wanted = [self.spec.num_speculative_tokens if s.num_next_drafts is None else s.num_next_drafts
+                  for s in scheduled if s.samples]
+        return max(wanted, default=0)
+
+    def propose(self, scheduled, hidden, offsets, results) -> None:
+        """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
+        k = self.next_k(scheduled)
+        verified = len(scheduled[0].draft_token_ids) if scheduled else 0
+        static = self.static_shapes and all(
+            s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == verified for s in scheduled)
+        rows, hidden_idx, last, drafting, prefixes = [], [], [], [], []
+        for i, s in enumerate(scheduled):
+            accepted = len(results[i].new_token_ids) - 1 if s.samples else 0
+            valid = s.num_new_tokens + accepted
+            tokens = s.req.all_token_ids + results[i].new_token_ids
+            start, row_tokens = s.start, tokens[s.start + 1:s.start + valid + 1]
+            prefix = s.req.mtp_prefix_hidden if s.samples else None
+            if prefix is not None:
+                # Handed over with the hidden state of the position before (disagg scheme 2): the MTP input
+                # there is known only now, so the pass starts one position early. (Its drafts were
+                # placeholders, all rejected: valid = 1, and 2 <= 1+k tokens still fit the static shape.)
+                start, row_tokens, valid = start - 1, tokens[s.start:s.start + 1] + row_tokens, valid + 1
+                hidden_idx.append(len(hidden) + len(prefixes))
+                prefixes.append(prefix.to(hidden.dtype))
+                s.req.mtp_prefix_hidden = None
+            if static:   # the seed's static shapes: 1+k tokens (their KV written), the layer run at the accepted index
+                row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - valid)
+            rows.append(Row(row_tokens, start, s.req.block_ids))
+            own = len(row_tokens) - (prefix is not None)
+            hidden_idx.extend(range(offsets[i], offsets[i] + own))
+            last.append(len(hidden_idx) - len(row_tokens) + valid - 1)
+            if s.samples and k:   # (k = 0: the pass only fills the MTP cache, for when drafting resumes)
+                drafting.append(i)
+        # A checkpoint with its own layer for depth j+1 runs it as trained: over the same positions as depth 1,
+        # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
+        # Graph mode (static shapes) drafts every depth with layer 0, one token per pass (DeepSeek-V3 ships one
+        # layer); its graphs have no chained variant, and a layer it ran only now and then would attend over a
+        # cache it never filled.
+        chain = self._chains()
+        if prefixes:
+            hidden = torch.cat([hidden, torch.stack(prefixes)])
+        out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=None if chain else last)
+        if not drafting and not chain:   # prompt chunks only: the pass just filled the MTP cache
+            return
+        reqs = [scheduled[i].req for i in drafting]
+        draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
+        prev_hidden = out[[last[i] for i in drafting]] if chain else out[drafting]
+        drafts, draft_probs, depth_hidden = [], [], [prev_hidden]
+        if drafting:
+            token, probs = self._draft(0, prev_hidden, reqs, draft_positions)
+            drafts, draft_probs = [token], [probs]
+        next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
+                    for i in drafting]
+        if chain:   # every request's rows, prompt chunks too: they fill the own layers' caches at their positions
+            sizes = [len(r.token_ids) for r in rows]
+            chain_last = (torch.tensor(sizes).cumsum(0) - 1).tolist()
+            chain_hidden = out[[t for i, n in enumerate(sizes) for t in range(last[i] - n + 1, last[i] + 1)]]
+            known = [s.req.all_token_ids + results[i].new_token_ids for i, s in enumerate(scheduled)]
+        num_layers = 1 if self.static_shapes else self.model.num_mtp_layers
+        for j in range(1, k):
+            layer = j if j < num_layers else 0
+            if chain and layer == j:   # depth j+1 at position p: embedding of t[p+j+1], depth j's output at p
+                for i, d in zip(drafting, drafts[-1].tolist() if drafting else []):
+                    known[i] = known[i] + [d]
+                step_rows = [Row(t[r.start + 1 + j:r.start + 1 + j + len(r.token_ids)], r.start, r.block_ids)
+                             for t, r in zip(known, rows)]
+                if any(len(a.token_ids) != len(b.token_ids) for a, b in zip(step_rows, rows)):
+                    raise RuntimeError("MTP chain: a prompt chunk ends too close to the prompt's end "
+                                       "(Scheduler.min_last_chunk)")
+                if j == k - 1:   # the last pass: its KV everywhere, its layer only where the draft is read
+                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=chain_last)[drafting]
+                else:
+                    chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
+                    prev_hidden = chain_hidden[[chain_last[i] for i in drafting]]
+            elif not drafting:
+                return
+            else:   # a shared layer: one token at the next position, fed the previous pass's last output
+                # (the first depth past a checkpoint's own layers also covers the positions those depths drafted
+                # at, which layer 0's cache holds nothing for yet: as if layer 0 had drafted every depth)
+                span = j if chain and j == num_layers else 1
+                tokens = torch.stack(drafts[-span:], dim=1).tolist()
+                step_rows = [Row(t, p - span + 1, scheduled[i].req.block_ids)
+                             for i, t, p in zip(drafting, tokens, next_pos)]
+                inputs = torch.stack(depth_hidden[-span:], dim=1).flatten(0, 1)
+                outputs = [span * (n + 1) - 1 for n in range(len(drafting))] if span > 1 else None
+                prev_hidden = self.forward(f"mtp{layer}", step_rows, inputs, output_index=outputs)
+            if not drafting:
+                continue
+            token, probs = self._draft(layer, prev_hidden, reqs, [p + j for p in draft_positions])
+            drafts.append(token)
+            draft_probs.append(probs)
+            depth_hidden.append(prev_hidden)
+            next_pos = [p + 1 for p in next_pos]
+        if not drafting:
+            return
+        drafts = torch.stack(drafts, dim=1).tolist()
+        for n, i in enumerate(drafting):
+            s = scheduled[i]
+            wanted = k if s.num_next_drafts is None else s.num_next_drafts
+            results[i].next_drafts = drafts[n][:wanted] or None
+            if draft_probs[0] is not None and wanted:
+                results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
+
+    def _chains(self) -> bool:
+        """Whether depths run the checkpoint's own layers, chained as trained (eager, fixed k, more than one
+        layer used). Graph mode and adaptive k draft every depth with layer 0: a layer run only now and then
+        would attend over a cache it did not fill."""
+        k = self.spec.num_speculative_tokens
+        return not self.static_shapes and not self.spec.adaptive and min(k, self.model.num_mtp_layers) > 1
+
+    def num_passes(self, scheduled) -> int:
+        """The MTP passes propose() runs for this step: k when a request drafts (the first pass alone when k
+        is 0); else (prompt chunks only) the first pass, plus the own layers when they are chained."""
+        if any(s.samples for s in scheduled):
+            return max(self.next_k(scheduled), 1)
+        return self.min_last_chunk()
+
+    def min_last_chunk(self) -> int:
+        """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
+        known for a chunk only inside the prompt, so the last positions must come with the sampled token."""
+        k = self.spec.num_speculative_tokens
+        return min(k, self.model.num_mtp_layers) if self._chains() else 1
+
+    def _draft(self, layer, hidden, reqs, positions):
+        """Drafts one token per request, and the distribution it was drawn from over the whole vocabulary.
+        With a draft vocabulary the head scores only its tokens: drafts are mapped back to token ids and the
+        distribution is zero elsewhere (exactly what was sampled from, so verification stays lossless)."""
+        logits = self.model.mtp_logits(layer, hidden, restricted=True)
+        vocab = self.model.draft_vocab
+        if self.spec.draft_sampling == "greedy" or all(r.params.greedy for r in reqs):
+            token = logits.argmax(-1)   # one-hot drafts: no distribution to keep
+            return (token if vocab is None else vocab[token]), None
+        probs = logits_to_probs(logits, *sampling_tensors(reqs, None, self.device))
+        # a seeded request's draft gets the noise its slot will be verified with (coupled verification, spec_decode/verify.py)
+        noise = draw([r.seed for r in reqs], positions, 1, probs.shape[-1], "exponential", TARGET_NOISE, self.generator,
+                     self.device, [r.params.greedy for r in reqs])
+        token = sample(probs, noise[:, 0])
+        if vocab is None:
+            return token, probs
+        full = probs.new_zeros(probs.shape[0], self.model.config.vocab_size).index_copy_(1, vocab, probs)
+        return vocab[token], full

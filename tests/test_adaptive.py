@@ -1,0 +1,111 @@
+"""Adaptive speculation length: the choice (expected tokens per second from acceptance and step costs), and
+losslessness while k switches between 0 and its maximum from step to step."""
+import pytest
+import torch
+
+from mtpserve import LLM, SamplingParams
+from mtpserve.spec_decode import adaptive
+from mtpserve.spec_decode.adaptive import AdaptiveK
+from test_spec_decode import exact_joint, prompts_for, trained1  # noqa: F401 (fixture)
+from tiny_models import random_checkpoint
+
+
+def policy_with(acceptance: list[float], seconds: dict) -> AdaptiveK:
+    p = AdaptiveK(len(acceptance), reached=[1e6] * len(acceptance), accepted=[a * 1e6 for a in acceptance])
+    for k, by_batch in seconds.items():
+        for batch, s in by_batch.items():
+            p.observe_step(batch, k, s)
+    return p
+
+
+def test_choice_maximises_expected_tokens_per_second():
+    p = policy_with([0.8, 0.5, 0.2], {0: {1: 1.0, 16: 2.0}, 1: {1: 1.1, 16: 4.0}, 2: {1: 1.2, 16: 5.0},
+                                      3: {1: 1.3, 16: 6.0}})
+    assert p.expected_tokens(0) == 1 and p.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.4)
+    rates = {k: p.expected_tokens(k) / s for k, s in enumerate([1.0, 1.1, 1.2, 1.3])}
+    assert p.choose(1) == max(rates, key=rates.get) == 2          # cheap drafts at batch 1: speculate
+    p.current = None
+    assert p.choose(16) == 0                                       # verification costs too much at 16: plain decode
+    assert p.seconds(8, 1) == pytest.approx(1.1 + (4.0 - 1.1) * 7 / 15)   # interpolated between measured sizes
+    p.current = 2
+    p.step_seconds[1][1] = 1.2 * 1.8 / 2.2 * 0.99                  # k=1 now 1% better than k=2: keep k=2
+    assert p.choose(1) == 2
+
+
+def test_acceptance_counts_only_positions_reached():
+    p = AdaptiveK(3)
+    prior = p.acceptance()
+    for _ in range(200):
+        p.observe_verification(3, 1)   # position 0 accepted, 1 rejected, 2 never reached
+    c = p.acceptance()
+    assert c[0] > 0.95 and c[1] < 0.05 and c[2] == prior[2]
+
+
+def cycling(k_max: int):
+    """plan_drafts forcing k = 0, 1, ..., k_max, 0, ... step after step (the switches under test)."""
+    steps = iter(range(10**9))
+
+    def plan(policy, scheduled):
+        k = next(steps) % (k_max + 1)
+        for s in scheduled:
+            s.num_next_drafts = k
+        return k
+    return plan
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["plain", "chunked-preempted"])
+def test_greedy_and_seeded_identical_while_k_switches(trained1, monkeypatch, tight):
+    prompts = prompts_for()
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.8, seed=7 + i, max_tokens=24, ignore_eos=True) for i in range(3)]
+    kw = dict(max_num_batched_tokens=8, num_kv_blocks=18, block_size=4) if tight else {}
+    base = [o.outputs[0].token_ids for o in LLM(trained1, **kw).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, **kw)
+    monkeypatch.setattr(adaptive, "plan_drafts", cycling(3))
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == base
+    m = llm.get_metrics()
+    assert 0 < m["num_accepted_tokens"] <= m["num_draft_tokens"]
+    assert sum(m["accepted_per_position"]) == m["num_accepted_tokens"]
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_adaptive_engine_picks_and_reports_k(trained1):
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
+    costs = llm.engine.adaptive.step_seconds
+    assert set(costs) == {0, 1, 2} and all(costs[k] for k in costs)   # calibrated at start-up, every k
+    p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in LLM(trained1).generate(prompt_token_ids=prompts_for(), sampling_params=p,
+                                                                    use_tqdm=False)]
+    outs = llm.generate(prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == base
+    steps = llm.get_metrics()["draft_steps_by_k"]
+    assert len(steps) == 3 and sum(steps) > 0
+
+
+def test_sampling_lossless_while_k_switches(tmp_path_factory, monkeypatch):
+    """Chi-square of the first two tokens against the model's exact distribution, k cycling 0..2."""
+    from scipy.stats import chisquare
+    path = random_checkpoint(tmp_path_factory.mktemp("v6a"), vocab_size=6, eos_token_id=None, bos_token_id=None)
+    prompt, num = [1, 4, 2], 3000
+    params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=2, ignore_eos=True)
+    joint = exact_joint(path, prompt, params, 2)
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": True}, max_num_seqs=512,
+              max_num_batched_tokens=4096, seed=11)
+    monkeypatch.setattr(adaptive, "plan_drafts", cycling(2))
+    outs = []
+    for _ in range(6):   # several batches: each starts at a different k of the cycle
+        outs += llm.generate(prompt_token_ids=[prompt] * (num // 6), sampling_params=params, use_tqdm=False)
+    counts = {seq: 0 for seq in joint}
+    for o in outs:
+        counts[tuple(o.outputs[0].token_ids)] += 1
+    total = sum(joint.values())
+    cells = [s for s in joint if joint[s] / total * num >= 5]
+    observed = [counts[s] for s in cells] + [num - sum(counts[s] for s in cells)]
+    expected = [joint[s] / total * num for s in cells] + [num * (1 - sum(joint[s] / total for s in cells))]
+    if expected[-1] < 1e-6:
+        observed, expected = observed[:-1], [e * num / sum(expected[:-1]) for e in expected[:-1]]
+    assert chisquare(observed, expected).pvalue > 1e-3
+    assert llm.get_metrics()["num_draft_tokens"] > 0
