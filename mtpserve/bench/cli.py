@@ -41,6 +41,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--draft-vocab-sizes", default=None,
                      help="comma list of speculative_config.draft_vocab_size per MTP config, 0 = the whole vocabulary")
     lat.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    ad = sub.add_parser("adaptive", help="adaptive speculation length vs every fixed k and no MTP, side by side")
+    _common(ad)
+    ad.add_argument("--max-k", type=int, default=3)
+    ad.add_argument("--batch-sizes", default="1,8,32,64", help="comma list")
     tp = sub.add_parser("throughput", help="many prompts offline: tokens/s and requests/s")
     _common(tp, 32, 64)
     tp.add_argument("--max-num-seqs", type=int, default=64)
@@ -134,6 +138,14 @@ def _latency(args, path: str) -> dict:
                         modes=common.parse_list(args.modes, str) if args.modes else None,
                         draft_vocab_sizes=common.parse_list(args.draft_vocab_sizes) if args.draft_vocab_sizes else None)
     latency.print_table(res["configs"])
+    return res
+
+
+def _adaptive(args, path: str) -> dict:
+    from mtpserve.bench import adaptive
+    res = adaptive.run_adaptive(path, args.max_k, common.parse_list(args.batch_sizes), args.input_len, args.output_len,
+                                args.num_iters, args.enforce_eager, args.dtype)
+    print("\n".join(adaptive.table(res)))
     return res
 
 

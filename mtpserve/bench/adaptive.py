@@ -1,0 +1,59 @@
+"""`mtpserve bench adaptive`: adaptive speculation length against every fixed k (and no speculation), batch
+size by batch size, side by side: the engines run the same prompts, their iterations interleaved round-robin.
+
+For each batch size: output tokens/s of no_mtp, mtp k=1..K, adaptive(max K); the ratios adaptive / no_mtp and
+adaptive / best fixed configuration; the k the adaptive engine drafted, step by step (a histogram)."""
+from mtpserve.bench import common
+from mtpserve.bench.latency import build_engine, run_batch
+
+
+def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
+                 enforce_eager: bool | None, dtype: str = "auto", log=print) -> dict:
+    max_batch = max(batch_sizes)
+    specs = {"no_mtp": None}
+    specs.update({f"mtp_k{k}": {"method": "mtp", "num_speculative_tokens": k} for k in range(1, max_k + 1)})
+    specs[f"adaptive_k{max_k}"] = {"method": "mtp", "num_speculative_tokens": max_k, "adaptive": True}
+    engines = {name: build_engine(model, spec, max_batch, input_len + output_len, enforce_eager, dtype,
+                                  graph_batch_sizes=batch_sizes) for name, spec in specs.items()}
+    adaptive = engines[f"adaptive_k{max_k}"]
+    any_engine = engines["no_mtp"]
+    prompts = common.make_prompts(max_batch * num_iters, input_len, any_engine.model_config.vocab_size,
+                                  any_engine.tokenizer)
+    for eng in engines.values():
+        run_batch(eng, prompts[:2], min(8, output_len), tag="w")
+    rates = {(bs, name): [] for bs in batch_sizes for name in engines}
+    tokens = {(bs, name): [] for bs in batch_sizes for name in engines}
+    chosen = {bs: [0] * (max_k + 1) for bs in batch_sizes}
+    for it in range(num_iters):
+        for bs in batch_sizes:
+            for name, eng in engines.items():
+                before = list(adaptive.adaptive.choices) if eng is adaptive else None
+                r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
+                rates[(bs, name)].append((r["num_output_tokens"], r["duration"]))
+                tokens[(bs, name)].append(r["tokens"])
+                if before is not None:
+                    chosen[bs] = [c + n - b for c, n, b in zip(chosen[bs], adaptive.adaptive.choices, before)]
+                log(f"  iter {it} batch {bs:3d} {name:14s} {r['duration']:.3f}s")
+    rows = []
+    for bs in batch_sizes:
+        tps = {name: sum(n for n, _ in rates[(bs, name)]) / sum(d for _, d in rates[(bs, name)]) for name in engines}
+        fixed = {name: v for name, v in tps.items() if not name.startswith("adaptive")}
+        best = max(fixed, key=fixed.get)
+        ada = tps[f"adaptive_k{max_k}"]
+        rows.append(dict(batch_size=bs, tokens_per_s=tps, best_fixed=best, adaptive_vs_no_mtp=ada / tps["no_mtp"],
+                         adaptive_vs_best_fixed=ada / fixed[best], adaptive_k_steps=chosen[bs],
+                         outputs_match_no_mtp=all(tokens[(bs, n)] == tokens[(bs, "no_mtp")] for n in engines)))
+    return dict(configs=list(engines), rows=rows,
+                calibrated_step_ms={k: {b: round(s * 1e3, 3) for b, s in sorted(t.items())}
+                                    for k, t in sorted(adaptive.adaptive.step_seconds.items())})
+
+
+def table(res: dict) -> list[str]:
+    names = res["configs"]
+    out = ["| batch | " + " | ".join(names) + " | adaptive / no_mtp | adaptive / best fixed | adaptive: steps per k | "
+           "same tokens |", "|" + "---|" * (len(names) + 5)]
+    for r in res["rows"]:
+        out.append(f"| {r['batch_size']} | " + " | ".join(f"{r['tokens_per_s'][n]:.1f}" for n in names) +
+                   f" | {r['adaptive_vs_no_mtp']:.2f}x | {r['adaptive_vs_best_fixed']:.2f}x ({r['best_fixed']}) | "
+                   f"{r['adaptive_k_steps']} | {r['outputs_match_no_mtp']} |")
+    return out
