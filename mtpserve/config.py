@@ -151,6 +151,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
     adaptive: bool = False                   # mtp: k in [0, num_speculative_tokens] chosen each step (spec_decode/adaptive.py)
 
+    @property
+    def verified_draft_counts(self) -> list[int]:
+        """How many drafts a decode step may verify (graph shapes to compile): k, or any of 0..k when adaptive."""
+        k = self.num_speculative_tokens
+        return list(range(k + 1)) if self.adaptive else [k]
+
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
         if d is None:

@@ -66,14 +66,7 @@ class LLMEngine:
         self.children: dict[str, list[Request]] = {}
         self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
         if self.adaptive is not None:
-            start = time.monotonic()
             adaptive.calibrate(self, self.adaptive)
-            self.spec_metrics = SpecDecodeMetrics(k)
-            for core in self.cores:
-                core.num_preemptions = 0
-            logger.info("adaptive speculation: step costs calibrated in %.1fs: %s", time.monotonic() - start,
-                        {k: {b: round(s * 1e3, 2) for b, s in sorted(t.items())}
-                         for k, t in self.adaptive.step_seconds.items()})
 
     @property
     def max_num_seqs(self) -> int:

@@ -8,7 +8,7 @@ from mtpserve.config import SpeculativeConfig
 from mtpserve.runner.batch import Row, build_batch
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.graphs import GraphRunner
-from mtpserve.sampling.sampler import TARGET_NOISE, draw, sample, target_probs
+from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode.proposer import make_proposer, proposer_class
 from mtpserve.spec_decode.verifier import Verifier
 
@@ -76,8 +76,7 @@ class ModelRunner:
         """Compiles/captures every graph now (start-up); returns the seconds it took."""
         if self.graphs is None:
             return 0.0
-        k = self.spec.num_speculative_tokens if self.spec else 0
-        verified = range(k + 1) if self.spec is not None and self.spec.adaptive else [k]
+        verified = self.spec.verified_draft_counts if self.spec is not None else [0]
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
@@ -171,7 +170,7 @@ class ModelRunner:
         if all(r.params.greedy for r in reqs):   # no distribution needed: the argmax is the sample
             tokens = self.model.compute_logits(last_hidden).argmax(-1)
         else:
-            probs = target_probs(self.model.compute_logits(last_hidden), reqs, None, self.device)
+            probs = request_probs(self.model.compute_logits(last_hidden), reqs, None, self.device)
             noise = draw([r.seed for r in reqs], [r.num_tokens for r in reqs], 1, probs.shape[-1], "exponential",
                          TARGET_NOISE, self.generator, self.device, [r.params.greedy for r in reqs])
             tokens = sample(probs, noise[:, 0])

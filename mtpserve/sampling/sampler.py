@@ -91,8 +91,9 @@ def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return torch.argmax(probs / noise, dim=-1)
 
 
-def target_probs(logits: torch.Tensor, reqs, repeats: list[int] | None, device) -> torch.Tensor:
-    """The distributions of reqs' rows (request i repeated repeats[i] times) under their sampling parameters."""
+def request_probs(logits: torch.Tensor, reqs, repeats: list[int] | None, device) -> torch.Tensor:
+    """The distributions of reqs' rows (request i repeated repeats[i] times) under their sampling parameters
+    (the target's, and the MTP head's when drafts are sampled)."""
     return logits_to_probs(logits, *sampling_tensors(reqs, repeats, device))
 
 

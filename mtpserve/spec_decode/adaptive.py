@@ -11,7 +11,11 @@ MTP's first pass still runs, without its head, so that its cache stays whole for
 Whatever k is picked, verification is lossless: only the number of drafts changes.
 """
 import bisect
+import logging
+import time
 from dataclasses import dataclass, field
+
+logger = logging.getLogger("mtpserve")
 
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 4.0   # before any draft is verified: a guess worth 4 drafts
 DECAY = 0.995                                # per verified draft: the counts follow a drifting workload
@@ -29,9 +33,13 @@ class AdaptiveK:
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
 
     def __post_init__(self):
-        self.reached = self.reached or [PRIOR_WEIGHT] * self.max_k
-        self.accepted = self.accepted or [PRIOR_ACCEPTANCE * PRIOR_WEIGHT] * self.max_k
+        if not self.reached:
+            self.forget_acceptance()
         self.choices = self.choices or [0] * (self.max_k + 1)
+
+    def forget_acceptance(self) -> None:
+        self.reached = [PRIOR_WEIGHT] * self.max_k
+        self.accepted = [PRIOR_ACCEPTANCE * PRIOR_WEIGHT] * self.max_k
 
     # ---- what was measured ----
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
@@ -104,10 +112,13 @@ def observe(policy: AdaptiveK, scheduled, results, k: int, seconds: float) -> No
 
 def calibrate(engine, policy: AdaptiveK, prompt_len: int = 8, max_tokens: int = 5) -> None:
     """Start-up: real decode steps for every k at batch sizes 1 and 16 (up to max_num_seqs), timed by the
-    engine's own step loop (observe), on random prompts; their acceptance is forgotten afterwards."""
+    engine's own step loop (observe), on random prompts; their acceptance, the engine's spec-decode counters and
+    preemption counts are forgotten afterwards."""
     import torch
 
     from mtpserve.sampling_params import SamplingParams
+    from mtpserve.spec_decode.metrics import SpecDecodeMetrics
+    started = time.monotonic()
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sizes = sorted({1, min(16, engine.max_num_seqs)})
@@ -124,6 +135,11 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 8, max_tokens: int = 
             finally:
                 for rid in ids:
                     engine.abort_request(rid)
-    fresh = AdaptiveK(policy.max_k)
-    policy.forced, policy.current = None, None
-    policy.reached, policy.accepted, policy.choices = fresh.reached, fresh.accepted, fresh.choices
+    policy.forced, policy.current, policy.choices = None, None, [0] * (policy.max_k + 1)
+    policy.forget_acceptance()
+    engine.spec_metrics = SpecDecodeMetrics(policy.max_k)
+    for core in engine.cores:
+        core.num_preemptions = 0
+    logger.info("adaptive speculation: step costs calibrated in %.1fs (ms by k, then batch size): %s",
+                time.monotonic() - started, {k: {b: round(s * 1e3, 2) for b, s in sorted(t.items())}
+                                             for k, t in sorted(policy.step_seconds.items())})

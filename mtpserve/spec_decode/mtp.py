@@ -13,7 +13,7 @@ written past the accepted length are never read before being overwritten.
 import torch
 
 from mtpserve.runner.batch import Row
-from mtpserve.sampling.sampler import TARGET_NOISE, draw, logits_to_probs, sample, sampling_tensors
+from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 
 
 class MTPProposer:
@@ -41,9 +41,8 @@ class MTPProposer:
         return spec.num_speculative_tokens   # passes 1..k-1 write up to k-1 slots past the verified ones
 
     def graph_shapes(self) -> list[tuple[str, int]]:
-        k = self.spec.num_speculative_tokens
-        verified = range(k + 1) if self.spec.adaptive else [k]   # the first pass covers 1 + the drafts verified
-        return [("mtp0", 1 + v) for v in verified] + ([("mtp0", 1)] if k > 1 else [])   # later depths: one token
+        first = [("mtp0", 1 + v) for v in self.spec.verified_draft_counts]   # 1 + the drafts verified
+        return first + ([("mtp0", 1)] if self.spec.num_speculative_tokens > 1 else [])   # later depths: one token
 
     def next_k(self, scheduled) -> int:
         """Drafts this step proposes: the most any sampling request asks for (adaptive speculation)."""
@@ -179,7 +178,7 @@ class MTPProposer:
         if self.spec.draft_sampling == "greedy" or all(r.params.greedy for r in reqs):
             token = logits.argmax(-1)   # one-hot drafts: no distribution to keep
             return (token if vocab is None else vocab[token]), None
-        probs = logits_to_probs(logits, *sampling_tensors(reqs, None, self.device))
+        probs = request_probs(logits, reqs, None, self.device)
         # a seeded request's draft gets the noise its slot will be verified with (coupled verification, spec_decode/verify.py)
         noise = draw([r.seed for r in reqs], positions, 1, probs.shape[-1], "exponential", TARGET_NOISE, self.generator,
                      self.device, [r.params.greedy for r in reqs])

@@ -3,7 +3,7 @@ request is greedy, else token-wise / block / coupled verification (spec_decode/v
 distributions with each request's draws (sampling/sampler.py), or the lossy synthetic-acceptance mode."""
 import torch
 
-from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, sample, target_probs
+from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
 
@@ -14,7 +14,6 @@ def stack_draft_probs(reqs, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
         if r.draft_probs is not None:
             probs[b] = r.draft_probs
     return probs
-
 
 
 class Verifier:
@@ -37,7 +36,8 @@ class Verifier:
             target_ids = self.model.compute_logits(hidden[rows]).argmax(-1).view(len(idx), k + 1)
             accepted = (drafts == target_ids[:, :k]).long().cumprod(-1).sum(-1)
             return self._record(idx, target_ids, self._reject_placeholders(reqs, accepted), k, results, reqs)
-        target = target_probs(self.model.compute_logits(hidden[rows]), reqs, [k + 1] * len(idx), self.device).view(len(idx), k + 1, -1)
+        logits = self.model.compute_logits(hidden[rows])
+        target = request_probs(logits, reqs, [k + 1] * len(idx), self.device).view(len(idx), k + 1, -1)
         seeds, positions = [r.seed for r in reqs], [r.num_tokens for r in reqs]
         greedy = [r.params.greedy for r in reqs]
         synthetic = self.spec.synthetic_acceptance is not None   # its coin flips are real even for greedy rows
