@@ -28,8 +28,40 @@ def test_choice_maximises_expected_tokens_per_second():
     assert p.choose(16) == 0                                       # verification costs too much at 16: plain decode
     assert p.seconds(8, 1) == pytest.approx(1.1 + (4.0 - 1.1) * 7 / 15)   # interpolated between measured sizes
     p.current = 2
-    p.step_seconds[1][1] = 1.2 * 1.8 / 2.2 * 0.99                  # k=1 now 1% better than k=2: keep k=2
+    p.timed[1][1].clear()
+    p.observe_step(1, 1, 1.2 * 1.8 / 2.2 * 0.99)                   # k=1 now 1% better than k=2: keep k=2
     assert p.choose(1) == 2
+
+
+def test_costs_are_medians_so_one_slow_step_does_not_decide():
+    p = policy_with([0.8], {0: {1: 1.0}, 1: {1: 1.1}})
+    p.observe_step(1, 1, 50.0)   # a step that also paid a one-off cost (first run of a shape, a page fault)
+    p.observe_step(1, 1, 1.1)
+    assert p.seconds(1, 1) == pytest.approx(1.1) and p.choose(1) == 1
+
+
+def test_probes_find_that_speculation_pays_after_a_bad_start():
+    """The acceptance estimate starts (wrongly) low, so plain decoding looks best; k = 0 verifies no drafts, so
+    only the periodic probes of other k can show that drafts are accepted 90% of the time here."""
+    cost = {0: 1.0, 1: 1.15, 2: 1.3}
+    p = AdaptiveK(2)
+    for k, c in cost.items():
+        p.observe_step(4, k, c)
+    for _ in range(40):            # an unlucky start: 40 verifications, nothing accepted
+        p.observe_verification(2, 0)
+    assert p.choose(4) == 0
+    picked, draw = [], iter(range(10**9))
+    for step in range(600):
+        k = p.choose(4)
+        picked.append(k)
+        for _request in range(4):
+            if k:                  # each draft accepted with probability 0.9 (a fixed pattern)
+                accepted = next((i for i in range(k) if next(draw) % 10 == 0), k)
+                p.observe_verification(k, accepted)
+        p.observe_step(4, k, cost[k])
+    late = picked[-100:]
+    assert max(set(late), key=late.count) == 2
+    assert all(p.choices[k] > 0 for k in cost)
 
 
 def test_acceptance_counts_only_positions_reached():

@@ -202,3 +202,42 @@ def test_grow_layers_plan_and_function_preserved(tmp_path):
     grown.train()
     loss_mod.mtp_objective(grown, ids, 2, 0.3).loss.backward()
     assert grown.model.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_project_corpus_split_dedup_and_filters(tmp_path, monkeypatch):
+    """Whole projects are held out; a file repeated in another project (vendored copy) is kept once, by the first
+    project; test suites, data tables and generated files are skipped; each project stops at its byte cap."""
+    from mtpserve.train import corpus
+    shared = "def shared(x):\n    return x + 1\n"
+    files = {
+        "alpha": {"core.py": "import os\n\n\ndef f():\n    return os.sep\n", "util.py": shared,
+                  "tests/test_core.py": "def test(): pass\n", "big.py": "x = 1\n" * 5000},
+        "beta": {"mod.py": "class B:\n    pass\n", "vendored.py": shared.replace("    ", "    "),
+                 "table.py": "T = [" + "1, " * 2000 + "]\n", "gen.py": "# DO NOT EDIT: generated\nx = 1\n",
+                 "test_mod.py": "def test_b(): pass\n"},
+    }
+    for project, tree in files.items():
+        for rel, text in tree.items():
+            path = tmp_path / project / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    monkeypatch.setattr(corpus, "project_root", lambda p: tmp_path / p)
+    monkeypatch.setattr(corpus, "TRAIN_PROJECTS", ["alpha"])
+    monkeypatch.setattr(corpus, "HELDOUT_PROJECTS", ["beta"])
+    train, held = corpus.train_and_heldout(byte_cap=10_000)
+    assert {d.path for d in train} == {"core.py", "util.py"}          # big.py would pass the 10 kB cap
+    assert all(d.project == "alpha" for d in train)
+    assert [d.path for d in held["beta"]] == ["mod.py"]               # copy, table, generated, test: skipped
+    assert corpus.train_and_heldout(byte_cap=10_000) == (train, held)  # deterministic
+    assert corpus.summary(held) == {"beta": {"files": 1, "bytes": len(files["beta"]["mod.py"])}}
+
+
+def test_declared_projects_are_disjoint_and_pinned():
+    import re
+    from pathlib import Path
+    from mtpserve.train import corpus
+    assert not set(corpus.TRAIN_PROJECTS) & set(corpus.HELDOUT_PROJECTS + corpus.UNSEEN_PROJECTS)
+    assert not set(corpus.HELDOUT_PROJECTS) & set(corpus.UNSEEN_PROJECTS)
+    extra = Path(__file__).resolve().parents[1].joinpath("pyproject.toml").read_text().split("train = [")[1]
+    pins = re.findall(r'"([A-Za-z0-9_.-]+)==[^"]+"', extra.split("]")[0])
+    assert len(pins) >= len(corpus.TRAIN_PROJECTS) + len(corpus.HELDOUT_PROJECTS) - 1   # every package, exact

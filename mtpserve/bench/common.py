@@ -109,27 +109,26 @@ def _numel(shape) -> int:
 
 
 def make_prompts(num: int, input_len: int, vocab_size: int, tokenizer=None, seed: int = 0) -> list[list[int]]:
-    """`num` prompts of exactly `input_len` token ids: slices of the Python standard library's source when
-    the model has a tokenizer (the shipped model is trained on such text), else random ids."""
+    """`num` prompts of exactly `input_len` token ids: slices of the standard library's held-out files (the
+    shipped model never trained on them, train/data.py) when the model has a tokenizer, else random ids."""
     rng = random.Random(seed)
     if tokenizer is not None:
-        ids = _stdlib_token_stream(tokenizer, rng, num * input_len * 2)
-        if len(ids) >= num * input_len:
-            starts = sorted(rng.sample(range(0, len(ids) - input_len), num))
+        ids = _heldout_token_stream(tokenizer, rng)
+        if len(ids) > input_len:
+            room = range(0, len(ids) - input_len)
+            starts = sorted(rng.sample(room, num) if num <= len(room) // 4 else rng.choices(room, k=num))
             return [[t % vocab_size for t in ids[s:s + input_len]] for s in starts]
     return [[rng.randrange(2, vocab_size) for _ in range(input_len)] for _ in range(num)]
 
 
-def _stdlib_token_stream(tokenizer, rng: random.Random, want: int) -> list[int]:
-    root = os.path.dirname(os.__file__)
-    files = sorted(f for f in os.listdir(root) if f.endswith(".py"))
+def _heldout_token_stream(tokenizer, rng: random.Random) -> list[int]:
+    from mtpserve.train import data
+    root = data.stdlib_root()
+    files = data.split_files(data.list_files(root))[1]
     rng.shuffle(files)
     ids: list[int] = []
-    for name in files:
-        with open(os.path.join(root, name), errors="replace") as f:
-            ids += tokenizer.encode(f.read()[:20000])
-        if len(ids) >= want:
-            break
+    for text in data.iter_texts(root, files):
+        ids += tokenizer.encode(text)
     return ids
 
 

@@ -5,14 +5,18 @@ step after it, to maximise the expected tokens per second.
 
 E[tokens | k] = 1 + sum_{i=1..k} prod_{j<i} c_j, with c_j the acceptance of draft position j given every
 earlier one was accepted, counted (exponentially decayed, from a prior) over the drafts verified so far. The
-seconds per step come from a calibration at start-up (a few real steps per k at a few batch sizes; linear in
-the batch size between them) refined online from the steps the engine runs. k = 0 is plain decoding (the
-MTP's first pass still runs, without its head, so that its cache stays whole for when drafting resumes).
-Whatever k is picked, verification is lossless: only the number of drafts changes.
+seconds per step are the median of the last steps timed at that k and batch size (linear in the batch size
+between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs.
+Every ``PROBE_EVERY`` steps one step drafts another k (in turn), so that the costs and the acceptance of k
+not in use stay measured: without it, a k given up on early (k = 0 verifies nothing) is never reconsidered.
+k = 0 is plain decoding (the MTP's first pass still runs, without its head, so that its cache stays whole
+for when drafting resumes). Whatever k is picked, verification is lossless: only the number of drafts changes.
 """
 import bisect
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 logger = logging.getLogger("mtpserve")
@@ -20,6 +24,8 @@ logger = logging.getLogger("mtpserve")
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 4.0   # before any draft is verified: a guess worth 4 drafts
 DECAY = 0.995                                # per verified draft: the counts follow a drifting workload
 SWITCH_MARGIN = 0.02                         # keep the current k unless another is 2% better (no flapping)
+TIMED_STEPS = 9                              # step times kept per (k, batch size); their median is the cost
+PROBE_EVERY = 32                             # one step in this many drafts a k other than the best one
 
 
 @dataclass
@@ -27,10 +33,12 @@ class AdaptiveK:
     max_k: int
     reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
     accepted: list[float] = field(default_factory=list)   # ... and accepted at j
-    step_seconds: dict = field(default_factory=dict)      # k -> {batch size: seconds}, calibrated then refined
+    timed: dict = field(default_factory=dict)             # k -> {batch size: recent step seconds}
     current: int | None = None
     forced: int | None = None                             # (calibration) k to use whatever the rates say
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
+    steps_since_probe: int = 0
+    probes: int = 0
 
     def __post_init__(self):
         if not self.reached:
@@ -47,10 +55,13 @@ class AdaptiveK:
             self.reached[j] = self.reached[j] * DECAY + 1
             self.accepted[j] = self.accepted[j] * DECAY + (num_accepted > j)
 
-    def observe_step(self, batch: int, k: int, seconds: float, weight: float = 0.2) -> None:
-        table = self.step_seconds.setdefault(k, {})
-        old = table.get(batch)
-        table[batch] = seconds if old is None else (1 - weight) * old + weight * seconds
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        self.timed.setdefault(k, {}).setdefault(batch, deque(maxlen=TIMED_STEPS)).append(seconds)
+
+    @property
+    def step_seconds(self) -> dict:
+        """k -> {batch size: seconds per step} (the median of the recent steps)."""
+        return {k: {b: statistics.median(t) for b, t in by_batch.items()} for k, by_batch in self.timed.items()}
 
     # ---- the choice ----
     def acceptance(self) -> list[float]:
@@ -66,9 +77,10 @@ class AdaptiveK:
     def seconds(self, batch: int, k: int) -> float | None:
         """Step seconds at this batch size: measured, or interpolated linearly between measured sizes
         (extrapolated from the nearest two beyond them)."""
-        table = self.step_seconds.get(k) or {}
-        if batch in table:
-            return table[batch]
+        timed = self.timed.get(k) or {}
+        if batch in timed:
+            return statistics.median(timed[batch])
+        table = {b: statistics.median(t) for b, t in timed.items()}
         sizes = sorted(table)
         if not sizes:
             return None
@@ -88,8 +100,14 @@ class AdaptiveK:
         if self.current is not None and rates[self.current] * (1 + SWITCH_MARGIN) >= rates[best]:
             best = self.current
         self.current = best
-        self.choices[best] += 1
-        return best
+        k = best
+        self.steps_since_probe += 1
+        if self.max_k and self.steps_since_probe >= PROBE_EVERY:   # the other k values, in turn
+            self.steps_since_probe = 0
+            self.probes += 1
+            k = (best + 1 + self.probes % self.max_k) % (self.max_k + 1)
+        self.choices[k] += 1
+        return k
 
 
 def plan_drafts(policy: AdaptiveK, scheduled) -> int:

@@ -73,9 +73,13 @@ def iter_texts(root: Path, files: list[str]):
             yield text
 
 
-def tokenize_to_file(tokenizer, root: Path, files: list[str], path: Path,
-                     batch_files: int = 64) -> int:
-    """Encode ``files`` as one bos/eos-delimited stream into ``path`` (raw array). Returns #tokens.
+def tokenize_to_file(tokenizer, root: Path, files: list[str], path: Path) -> int:
+    """Encode ``files`` (under ``root``) as one bos/eos-delimited stream into ``path``. Returns #tokens."""
+    return tokenize_texts_to_file(tokenizer, iter_texts(root, files), path)
+
+
+def tokenize_texts_to_file(tokenizer, texts, path: Path, batch_docs: int = 64) -> int:
+    """Encode the documents ``texts`` as one bos/eos-delimited stream into ``path`` (raw array).
 
     ``tokenizer`` is a ``tokenizers.Tokenizer`` (fast, no special tokens added by encode)."""
     bos = tokenizer.token_to_id("<|bos|>")
@@ -84,14 +88,20 @@ def tokenize_to_file(tokenizer, root: Path, files: list[str], path: Path,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    n = 0
+    n, batch = 0, []
     with open(tmp, "wb") as f:
-        for i in range(0, len(files), batch_files):
-            texts = list(iter_texts(root, files[i:i + batch_files]))
-            for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
+        def flush():
+            nonlocal n
+            for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
                 ids = np.asarray([bos] + enc.ids + [eos], dtype=dtype)
                 f.write(ids.tobytes())
                 n += len(ids)
+            batch.clear()
+        for text in texts:
+            batch.append(text)
+            if len(batch) == batch_docs:
+                flush()
+        flush()
     os.replace(tmp, path)
     return n
 

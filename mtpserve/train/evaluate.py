@@ -1,12 +1,17 @@
 """Evaluate a saved checkpoint on the held-out split (numbers for docs/DEFAULT_MODEL.md).
 
     python -m mtpserve.train.evaluate CKPT_DIR [--seq-len 256] [--prompts 8 --new-tokens 96]
+    python -m mtpserve.train.evaluate CKPT_DIR --corpus projects [--seq-len 1024] [--windows 24]
 
 Reports held-out loss / top-1 accuracy of the main head and of each MTP depth (teacher forced), and a
 *prediction* of greedy MTP acceptance: the model greedily continues held-out prompts (plain decoding),
 then, on that continuation, draft k at position p is counted accepted when drafts 1..k all equal the
 greedy tokens -- what token-level greedy verification accepts. It is computed densely, in float32
 on the bf16 weights, so it is a cross-check for the engine's measured rate, not a replacement.
+
+``--corpus projects``: the loss, accuracy and draft/main agreement of every held-out and unseen project of
+train/corpus.py, separately (``--windows`` evenly spaced windows of each); the engine measures acceptance
+(train/acceptance.py).
 """
 from __future__ import annotations
 
@@ -90,6 +95,27 @@ def heldout_prompts(tok, n: int, prompt_tokens: int, seed: int = 0) -> list[list
     return prompts
 
 
+def project_eval(model, tok, seq_len: int, max_windows: int) -> dict:
+    from mtpserve.train import corpus
+    depth = model.num_mtp_layers
+    _, held = corpus.train_and_heldout()
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for split, projects in (("heldout", held), ("unseen", corpus.build(corpus.UNSEEN_PROJECTS))):
+            for project, docs in projects.items():
+                path = Path(tmp) / f"{project}.bin"
+                n_tok = data.tokenize_texts_to_file(tok, [d.text for d in docs], path)
+                windows = data.eval_windows(data.load_tokens(path, tok.get_vocab_size()), seq_len + depth + 1,
+                                            max_windows)
+                res = {"split": split, "files": len(docs), "tokens": n_tok, "windows": len(windows),
+                       **loss.evaluate(model, windows, depth)}
+                for k, v in enumerate(heldout_agreement(model, windows, depth)):
+                    res[f"agree_with_main_upto_depth{k + 1}"] = v
+                out[project] = res
+                print(project, json.dumps(res), flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     from mtpserve.model.loader import load_model
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -100,6 +126,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--corpus", choices=["stdlib", "projects"], default="stdlib")
+    ap.add_argument("--windows", type=int, default=24, help="(projects) windows per project")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,6 +135,11 @@ def main(argv=None) -> dict:
     model = model.float().eval()                     # bf16 weights, float32 arithmetic
     depth = model.num_mtp_layers
     tok = tok_mod.load_tokenizer(args.ckpt)
+    if args.corpus == "projects":
+        res = project_eval(model, tok, args.seq_len, args.windows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        return res
     root = data.stdlib_root()
     _, held = data.split_files(data.list_files(root))
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,8 @@ def hf_config_from_args(args, tok) -> dict:
         qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=args.qk_rope_head_dim,
         v_head_dim=args.v_head_dim,
         n_routed_experts=args.experts if moe else None, n_shared_experts=1 if moe else None,
-        num_experts_per_tok=args.experts_per_tok if moe else None, n_group=1, topk_group=1,
+        num_experts_per_tok=args.experts_per_tok if moe else None, n_group=args.n_group,
+        topk_group=args.topk_group,
         routed_scaling_factor=1.0, first_k_dense_replace=args.first_dense if moe else args.layers,
         max_position_embeddings=args.max_position_embeddings,
         num_nextn_predict_layers=args.mtp_depth, **tok_mod.special_ids(tok))
@@ -53,6 +54,9 @@ def build_model(args, tok) -> DeepseekV3ForCausalLM:
             raise SystemExit(f"--init {args.init}: vocab_size {base.config.vocab_size} does not match "
                              f"the tokenizer's {tok.get_vocab_size()}")
         cfg_dict = json.loads((Path(args.init) / "config.json").read_text())
+        if (args.n_group, args.topk_group) != (1, 1):   # switch routing on a trained model
+            cfg_dict.update(n_group=args.n_group, topk_group=args.topk_group)
+            base.config.n_group, base.config.topk_group = args.n_group, args.topk_group
         if args.grow_layers:
             if base.num_mtp_layers != args.mtp_depth:
                 raise SystemExit("--grow-layers keeps the checkpoint's MTP modules: pass its --mtp-depth")

@@ -29,6 +29,9 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, help="checkpoint directory to write (config, weights, tokenizer)")
     g.add_argument("--run-dir", default=None, help="logs/caches (default: runs/train-<basename of --out>)")
     g = p.add_argument_group("data")
+    g.add_argument("--corpus", choices=["stdlib", "projects"], default="stdlib",
+                   help="stdlib: this Python's standard library, split by file; projects: many projects' "
+                        "source, split by project (train/corpus.py; pip install -e '.[train]')")
     g.add_argument("--corpus-root", default=None, help="directory of .py files (default: this Python's stdlib)")
     g.add_argument("--max-files", type=int, default=None, help="use only the first N train files (tests)")
     g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json to reuse (default: train one)")
@@ -51,6 +54,8 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--experts-per-tok", type=int, default=2)
     g.add_argument("--moe-intermediate-size", type=int, default=256)
     g.add_argument("--first-dense", type=int, default=2, help="first_k_dense_replace")
+    g.add_argument("--n-group", type=int, default=1, help="expert groups (group-limited routing when > 1)")
+    g.add_argument("--topk-group", type=int, default=1, help="groups a token's experts may come from")
     g.add_argument("--mtp-depth", type=int, default=2, help="D, the number of MTP modules")
     g.add_argument("--max-position-embeddings", type=int, default=2048)
     g = p.add_argument_group("optimisation")
@@ -71,8 +76,12 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch (and tokenizer) CPU threads")
     g = p.add_argument_group("logging")
     g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--save-every-minutes", type=float, default=None,
+                   help="also write the checkpoint to --out this often (a long run leaves a usable model)")
     g.add_argument("--eval-every", type=int, default=200)
     g.add_argument("--eval-windows", type=int, default=64, help="held-out windows per evaluation")
+    g.add_argument("--final-eval-windows", type=int, default=1024,
+                   help="held-out windows (evenly spaced) for the final evaluation")
     return p
 
 
@@ -92,22 +101,32 @@ def train_row(step: int, t0: float, lr: float, o) -> dict:
 
 def prepare_data(args, run_dir: Path):
     """Tokenizer (trained or loaded) and the train / held-out token streams."""
-    root = Path(args.corpus_root) if args.corpus_root else data.stdlib_root()
-    train_files, held_files = data.split_files(data.list_files(root))
-    if args.max_files:
-        train_files = train_files[:args.max_files]
-    if not held_files:  # tiny corpora (tests): hold out the last train file
-        train_files, held_files = train_files[:-1], train_files[-1:]
     tok_dir = args.tokenizer or args.init
-    if tok_dir:
-        tok = tok_mod.load_tokenizer(tok_dir)
+    if args.corpus == "projects":
+        from mtpserve.train import corpus
+        if not tok_dir:
+            raise SystemExit("--corpus projects keeps an existing tokenizer: pass --tokenizer or --init")
+        train_docs, held_by_project = corpus.train_and_heldout()
+        train_texts = [d.text for d in train_docs]
+        held_texts = [d.text for p in corpus.HELDOUT_PROJECTS for d in held_by_project[p]]
+        source = {"corpus": "projects", "train_projects": corpus.TRAIN_PROJECTS,
+                  "heldout_projects": corpus.summary(held_by_project)}
     else:
-        tok = tok_mod.train_tokenizer(data.iter_texts(root, train_files), args.vocab_size)
+        root = Path(args.corpus_root) if args.corpus_root else data.stdlib_root()
+        train_files, held_files = data.split_files(data.list_files(root))
+        if args.max_files:
+            train_files = train_files[:args.max_files]
+        if not held_files:  # tiny corpora (tests): hold out the last train file
+            train_files, held_files = train_files[:-1], train_files[-1:]
+        train_texts = list(data.iter_texts(root, train_files))
+        held_texts = list(data.iter_texts(root, held_files))
+        source = {"corpus_root": str(root)}
+    tok = tok_mod.load_tokenizer(tok_dir) if tok_dir else tok_mod.train_tokenizer(train_texts, args.vocab_size)
     train_bin, held_bin = run_dir / "train.bin", run_dir / "heldout.bin"
-    n_train = data.tokenize_to_file(tok, root, train_files, train_bin)
-    n_held = data.tokenize_to_file(tok, root, held_files, held_bin)
+    n_train = data.tokenize_texts_to_file(tok, train_texts, train_bin)
+    n_held = data.tokenize_texts_to_file(tok, held_texts, held_bin)
     vocab = tok.get_vocab_size()
-    info = {"corpus_root": str(root), "train_files": len(train_files), "heldout_files": len(held_files),
+    info = {**source, "train_files": len(train_texts), "heldout_files": len(held_texts),
             "train_tokens": n_train, "heldout_tokens": n_held, "vocab_size": vocab}
     return tok, data.load_tokens(train_bin, vocab), data.load_tokens(held_bin, vocab), info
 
@@ -148,6 +167,7 @@ def run_train(args) -> dict:
     writer.writeheader()
     budget = args.max_minutes * 60 if args.max_minutes else None
     t0 = time.time()
+    last_save = t0
     model.train()
     step = 0
     while step < args.steps:
@@ -174,12 +194,16 @@ def run_train(args) -> dict:
         if step % args.eval_every == 0:
             last_eval = loss_mod.evaluate(model, eval_set, depth)
             row.update({f"eval_{k}": round(v, 4) for k, v in last_eval.items()})
+        if args.save_every_minutes and time.time() - last_save >= args.save_every_minutes * 60:
+            model_setup.save(model, tok, out, args.max_position_embeddings)
+            last_save = time.time()
+            print(f"saved {out} at step {step}", flush=True)
         if row:
             writer.writerow(row)
             f_csv.flush()
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     train_seconds = time.time() - t0
-    final = loss_mod.evaluate(model, data.eval_windows(held_tokens, window, 10_000), depth)
+    final = loss_mod.evaluate(model, data.eval_windows(held_tokens, window, args.final_eval_windows), depth)
     if step % args.eval_every != 0:  # end the curve with an eval point (same windows as the others)
         row = train_row(step, t0, lr, o)
         last = loss_mod.evaluate(model, eval_set, depth)
@@ -189,7 +213,7 @@ def run_train(args) -> dict:
     plot.plot_curves(csv_path, run_dir / "curve.png",
                      title=f"{out.name}: {info['total_params'] / 1e6:.1f}M params, D={depth}, {step} steps")
     result = {"steps": step, "train_seconds": round(train_seconds, 1), "seed": args.seed,
-              "heldout_windows": len(data.eval_windows(held_tokens, window, 10_000)),
+              "heldout_windows": len(data.eval_windows(held_tokens, window, args.final_eval_windows)),
               "final_eval": final, **info}
     (run_dir / "final_eval.json").write_text(json.dumps(result, indent=2) + "\n")
     torch.save(model.state_dict(), run_dir / "model_fp32.pt")   # fallback if the export below fails
