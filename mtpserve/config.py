@@ -150,6 +150,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (4 when not given)
     prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
     adaptive: bool = False                   # mtp: k in [0, num_speculative_tokens] chosen each step (spec_decode/adaptive.py)
+    fused_graph_step: bool = True            # graph mode, mtp, greedy: verify + draft in one graph (spec_decode/fused.py)
 
     @property
     def verified_draft_counts(self) -> list[int]:
@@ -183,8 +184,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.synthetic_acceptance: a benchmark measurement mode whose output is "
                              "NOT the model's (drafts pass by coin flip); it needs \"allow_lossy_measurement\": true "
                              "(mtpserve bench --synthetic-acceptance sets it)")
-        if not isinstance(cfg.adaptive, bool):
-            raise ValueError(f"speculative_config.adaptive = {cfg.adaptive!r}: must be true or false")
+        for name in ("adaptive", "fused_graph_step"):
+            if not isinstance(getattr(cfg, name), bool):
+                raise ValueError(f"speculative_config.{name} = {getattr(cfg, name)!r}: must be true or false")
         if cfg.adaptive and cfg.method != "mtp":
             raise ValueError("speculative_config.adaptive: only for method 'mtp'")
         if cfg.adaptive and cfg.synthetic_acceptance is not None:

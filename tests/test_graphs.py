@@ -23,7 +23,9 @@ def ckpt2(tmp_path_factory):
     return trained_checkpoint(tmp_path_factory.mktemp("graphs2"), num_mtp_layers=2)
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "mtp-k2"])
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2},
+                                  {"method": "mtp", "num_speculative_tokens": 2, "fused_graph_step": False}],
+                         ids=["plain", "mtp-k2", "mtp-k2-unfused"])
 def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec):
     check_graph_mode(ckpt, spec)
 
@@ -32,11 +34,13 @@ def test_graph_mode_two_mtp_layers(ckpt2):
     """A checkpoint with two MTP layers: graph mode drafts every depth with layer 0 (no graph for layer 1),
     still lossless and accepting."""
     graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3})
-    assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "mtp0"}
+    assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "mtp0", "fused"}
     assert graph.get_metrics()["acceptance_rate"] > 0.3
 
 
 def check_graph_mode(ckpt, spec):
+    """Graph mode gives eager's tokens (greedy MTP steps run fused: spec_decode/fused.py) and, where eager drafts
+    with the same layer (one MTP layer), the same acceptance at every draft position."""
     eager = LLM(ckpt, speculative_config=spec, enforce_eager=True)
     graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1, 2, 4], max_model_len=64)
     assert graph.engine.graph_warmup_seconds > 0
@@ -57,6 +61,10 @@ def check_graph_mode(ckpt, spec):
     assert counters["stats"]["unique_graphs"] == frames_after_warmup, "recompiled after warm-up"
     bm = graph.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    if spec is not None:
+        assert (graph.engine.runner.pass_counts["fused"] > 0) == spec.get("fused_graph_step", True)
+        if eager.engine.model.num_mtp_layers == 1:
+            assert graph.get_metrics()["accepted_per_position"] == eager.get_metrics()["accepted_per_position"]
     return graph
 
 

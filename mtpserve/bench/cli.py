@@ -45,6 +45,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _common(ad)
     ad.add_argument("--max-k", type=int, default=3)
     ad.add_argument("--batch-sizes", default="1,8,32,64", help="comma list")
+    fu = sub.add_parser("fused", help="graph mode: the fused speculative step vs separate graphs vs no MTP, side by side")
+    _common(fu)
+    fu.add_argument("--ks", default="1,2", help="comma list of num_speculative_tokens")
+    fu.add_argument("--batch-sizes", default="1,8", help="comma list")
     tp = sub.add_parser("throughput", help="many prompts offline: tokens/s and requests/s")
     _common(tp, 32, 64)
     tp.add_argument("--max-num-seqs", type=int, default=64)
@@ -146,6 +150,14 @@ def _adaptive(args, path: str) -> dict:
     res = adaptive.run_adaptive(path, args.max_k, common.parse_list(args.batch_sizes), args.input_len, args.output_len,
                                 args.num_iters, args.enforce_eager, args.dtype)
     print("\n".join(adaptive.table(res)))
+    return res
+
+
+def _fused(args, path: str) -> dict:
+    from mtpserve.bench import fused
+    res = fused.run_fused(path, common.parse_list(args.ks), common.parse_list(args.batch_sizes), args.input_len,
+                          args.output_len, args.num_iters, args.dtype)
+    print("\n".join(fused.table(res)))
     return res
 
 

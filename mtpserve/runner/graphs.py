@@ -28,6 +28,7 @@ class GraphRunner:
         self.block_size, self.device = block_size, device
         self.max_blocks = -(-max_span // block_size)
         self.graphs: dict[tuple, tuple] = {}    # (what, batch, query_len) -> (compiled fn, static buffers)
+        self.fused_k_next = 0                   # drafts a fused step proposes (spec_decode/fused.py)
         self.compile_seconds = 0.0
         self.cuda_graphs = torch.device(device).type == "cuda"
         mode = "reduce-overhead" if self.cuda_graphs else None
@@ -60,9 +61,35 @@ class GraphRunner:
         n, q = len(rows), len(rows[0].token_ids)
         batch = batch or self.padded_size(n)
         fn, buf = self._graph(what, batch, q)
-        bucket = self.kv_bucket(max(r.start for r in rows) + q)
+        inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + q))
+        if buf[5] is not None:
+            buf[5][:n * q].copy_(prev_hidden)
+        if buf[6] is not None:   # padding rows read their own first token
+            buf[6].copy_(torch.tensor(output_index + [i * q for i in range(n, batch)]))
+        out = fn(*inputs, buf[5], buf[6])
+        out = out[:n] if output_index is not None else out[:n * q]
+        # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
+        return out.clone() if self.cuda_graphs else out
+
+    def fits_fused(self, scheduled, k: int) -> bool:
+        """A fused step (spec_decode/fused.py) was built for this batch size, and the table covers the drafts'
+        positions (up to 2k past the pending token)."""
+        return (("fused", self.padded_size(len(scheduled)), 1 + k) in self.graphs
+                and all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled))
+
+    def run_fused(self, rows: list[Row], k_next: int) -> list[list[int]]:
+        """The fused greedy step on decode rows of 1+k tokens: per row the target's 1+k argmax tokens, the
+        accepted count and k_next drafts (one host sync)."""
+        n, q = len(rows), len(rows[0].token_ids)
+        fn, buf = self._graph("fused", self.padded_size(n), q)
+        inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + q + k_next))
+        return fn(*inputs)[:n].tolist()
+
+    def _load(self, buf, rows: list[Row], q: int, bucket: int) -> list:
+        """Copies the rows into the static buffers; returns the graph's first five inputs."""
         # Index arithmetic in Python lists, one copy per buffer: per-op costs dominate a small decode step.
         # Padding rows have KV length 0 and slot -1 (their writes land in the null block).
+        batch = buf[2].shape[0]
         ids, positions, slots, seq_lens, tables = [], [], [], [], []
         for r in rows:
             ids += r.token_ids
@@ -71,20 +98,13 @@ class GraphRunner:
             seq_lens.append(r.start + q)
             blocks = r.block_ids[:bucket]
             tables += blocks + [0] * (bucket - len(blocks))
-        ids_b, pos_b, seq_b, slot_b, table_b, hid_b, index_b = buf
+        ids_b, pos_b, seq_b, slot_b, table_b = buf[:5]
         for target, values, fill in ((ids_b, ids, 0), (pos_b, positions, 0), (slot_b, slots, -1),
                                      (seq_b, seq_lens, 0)):
             target.copy_(torch.tensor(values + [fill] * (len(target) - len(values))))
         table = table_b[:, :bucket]
-        table.copy_(torch.tensor(tables + [0] * ((batch - n) * bucket)).view(batch, bucket))
-        if hid_b is not None:
-            hid_b[:n * q].copy_(prev_hidden)
-        if index_b is not None:   # padding rows read their own first token
-            index_b.copy_(torch.tensor(output_index + [i * q for i in range(n, batch)]))
-        out = fn(ids_b, pos_b, seq_b, slot_b, table, hid_b, index_b)
-        out = out[:n] if output_index is not None else out[:n * q]
-        # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
-        return out.clone() if self.cuda_graphs else out
+        table.copy_(torch.tensor(tables + [0] * ((batch - len(rows)) * bucket)).view(batch, bucket))
+        return [ids_b, pos_b, seq_b, slot_b, table]
 
     def kv_bucket(self, kv_len: int) -> int:
         """Blocks in the table a graph sees (at least 2: dynamo specializes sizes 0 and 1): on CUDA the next
@@ -119,11 +139,12 @@ class GraphRunner:
         buf = [torch.zeros(batch * q, dtype=torch.long, device=dev), torch.zeros(batch * q, dtype=torch.long, device=dev),
                torch.zeros(batch, dtype=torch.long, device=dev), torch.full((batch * q,), -1, dtype=torch.long, device=dev),
                torch.zeros(batch, self.max_blocks, dtype=torch.long, device=dev),
-               None if what == "main" else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev),
-               torch.arange(batch, device=dev) * q if self.indexed(what, q) else None]
+               None if what in ("main", "fused") else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(),
+                                                                  device=dev),
+               torch.arange(batch, device=dev) * q if self.indexed(what, q) and what != "fused" else None]
         query_start_loc = torch.arange(batch + 1, device=dev) * q
         model, main_caches, mtp_caches = self.model, self.main_caches, self.mtp_caches
-        layer = None if what == "main" else int(what.removeprefix("mtp"))
+        layer = None if what in ("main", "fused") else int(what.removeprefix("mtp"))
 
         def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden, output_index):
             max_seq_len = block_tables.shape[1] * self.block_size
@@ -132,6 +153,10 @@ class GraphRunner:
                 return model(input_ids, positions, meta, main_caches)
             return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
 
+        if what == "fused":
+            from mtpserve.spec_decode.fused import fused_greedy_step
+            step = fused_greedy_step(model, main_caches, mtp_caches[0], self.block_size, batch, q, self.fused_k_next)
+            buf = buf[:5]
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.
         code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")

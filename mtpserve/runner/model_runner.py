@@ -9,6 +9,7 @@ from mtpserve.runner.batch import Row, build_batch
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.graphs import GraphRunner
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
+from mtpserve.spec_decode import fused
 from mtpserve.spec_decode.proposer import make_proposer, proposer_class
 from mtpserve.spec_decode.verifier import Verifier
 
@@ -78,8 +79,31 @@ class ModelRunner:
             return 0.0
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
+        if self._fuses():
+            self.graphs.fused_k_next = self.spec.num_speculative_tokens
+            shapes.append(("fused", 1 + self.spec.num_speculative_tokens))
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
+
+    def _fuses(self) -> bool:
+        """Graph mode builds the fused greedy step (spec_decode/fused.py) for a fixed-k MTP run in one process."""
+        spec = self.spec
+        return (self.graphs is not None and self.dp is None and spec is not None and spec.method == "mtp"
+                and spec.fused_graph_step and not spec.adaptive and spec.synthetic_acceptance is None
+                and spec.scorer == "mqa")
+
+    def _fused_step(self, scheduled) -> list[StepResult]:
+        k = self.spec.num_speculative_tokens
+        rows = [Row(s.req.all_token_ids[s.start:s.start + 1] + s.draft_token_ids, s.start, s.req.block_ids)
+                for s in scheduled]
+        self.pass_counts["main"] += 1
+        self.pass_counts["mtp"] += k
+        self.pass_counts["fused"] += 1
+        results = []
+        for out in self.graphs.run_fused(rows, k):
+            accepted = out[1 + k]
+            results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted, next_drafts=out[k + 2:]))
+        return results
 
     def _forward_in_step(self, what, rows, prev_hidden, output_index):
         """Data parallel: the forward every rank runs alike (runner/dp_sync.py); no rows: a dummy one."""
@@ -126,6 +150,8 @@ class ModelRunner:
                 self.forward("main", [])
                 self._finish_dp_step()
                 return []
+        if fused.fusable(self, scheduled):
+            return self._fused_step(scheduled)
         rows, offsets = [], [0]   # offsets[i]: where request i's tokens start in the flat batch
         pad_to = self._graph_query_len(scheduled)
         for s in scheduled:

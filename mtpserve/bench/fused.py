@@ -1,0 +1,56 @@
+"""`mtpserve bench fused`: graph mode's fused speculative step (spec_decode/fused.py) against the separate graphs
+and against no speculation, side by side: the engines run the same prompts, iterations interleaved round-robin.
+
+Per batch size and configuration: TPOT (ms per output token, decode only), ms per engine step, tokens per step
+(1 + accepted drafts), speedup over no MTP, and whether the greedy tokens equal no MTP's."""
+from mtpserve.bench import common
+from mtpserve.bench.latency import build_engine, run_batch
+
+
+def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
+              dtype: str = "auto", log=print) -> dict:
+    specs = {"no_mtp": None}
+    for k in ks:
+        specs[f"k{k}_separate"] = {"method": "mtp", "num_speculative_tokens": k, "fused_graph_step": False}
+        specs[f"k{k}_fused"] = {"method": "mtp", "num_speculative_tokens": k}
+    max_batch = max(batch_sizes)
+    engines = {name: build_engine(model, spec, max_batch, input_len + output_len, False, dtype,
+                                  graph_batch_sizes=batch_sizes) for name, spec in specs.items()}
+    first = engines["no_mtp"]
+    prompts = common.make_prompts(max_batch * num_iters, input_len, first.model_config.vocab_size, first.tokenizer)
+    for eng in engines.values():
+        run_batch(eng, prompts[:2], min(8, output_len), tag="w")
+    runs = {(bs, name): [] for bs in batch_sizes for name in engines}
+    for it in range(num_iters):
+        for bs in batch_sizes:
+            for name, eng in engines.items():
+                r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
+                runs[(bs, name)].append(r)
+                log(f"  iter {it} batch {bs:3d} {name:12s} {r['duration']:.3f}s")
+    rows = []
+    for bs in batch_sizes:
+        base = None
+        for name in engines:
+            rs = runs[(bs, name)]
+            tpots = [x["tpot"] for r in rs for x in r["per_request"] if x["tpot"] is not None]
+            decode_steps = sum(r["num_steps"] for r in rs) - len(rs)    # less each run's prefill step
+            decode_tokens = sum(r["num_output_tokens"] for r in rs) - bs * len(rs)
+            decode_s = sum(r["duration"] for r in rs) - sum(x["ttft"] for r in rs for x in r["per_request"]) / bs
+            row = dict(batch_size=bs, name=name, tpot_ms=1e3 * common.mean(tpots), step_ms=1e3 * decode_s / decode_steps,
+                       tokens_per_step=decode_tokens / decode_steps / bs,
+                       same_tokens_as_no_mtp=[r["tokens"] for r in rs] == [r["tokens"] for r in runs[(bs, "no_mtp")]],
+                       graph_build_seconds=engines[name].graph_warmup_seconds)
+            base = base or row
+            row["tpot_speedup"] = base["tpot_ms"] / row["tpot_ms"]
+            rows.append(row)
+    return dict(configs=list(engines), rows=rows)
+
+
+def table(res: dict) -> list[str]:
+    out = ["| batch | config | TPOT ms | ms per step | tokens per step | TPOT speedup vs no MTP | same tokens | "
+           "graph build s |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        out.append(f"| {r['batch_size']} | {r['name']} | {r['tpot_ms']:.2f} | {r['step_ms']:.2f} | "
+                   f"{r['tokens_per_step']:.2f} | {r['tpot_speedup']:.2f}x | {r['same_tokens_as_no_mtp']} | "
+                   f"{r['graph_build_seconds']:.0f} |")
+    return out
