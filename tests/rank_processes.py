@@ -52,11 +52,13 @@ def end_workers():
 
 
 def count_graph_runs(llm):
+    """Counts the graphs rank 0 runs (separate ones and fused steps)."""
     graphs, count = llm.engine.runner.graphs, [0]
-    run_graph = graphs.run
 
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return run_graph(*args, **kwargs)
-    graphs.run = counting
+    def counted(run_graph):
+        def counting(*args, **kwargs):
+            count[0] += 1
+            return run_graph(*args, **kwargs)
+        return counting
+    graphs.run, graphs.run_fused = counted(graphs.run), counted(graphs.run_fused)
     return lambda: count[0]

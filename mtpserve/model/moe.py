@@ -34,8 +34,8 @@ class Gate(nn.Module):
             choice = scores + self.e_score_correction_bias.float()
         if cfg.topk_method in ("noaux_tc", "group_limited_greedy") and cfg.n_group > 1:
             grouped = choice.view(x.shape[0], cfg.n_group, -1)
-            if cfg.topk_method == "noaux_tc":
-                group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            if cfg.topk_method == "noaux_tc":   # a group's score: its top-2 experts (all of it when it has 2)
+                group_scores = grouped.sum(-1) if grouped.shape[-1] == 2 else grouped.topk(2, dim=-1).values.sum(-1)
             else:
                 group_scores = grouped.amax(-1)
             keep = group_scores.topk(cfg.topk_group, dim=-1).indices

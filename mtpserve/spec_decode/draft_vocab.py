@@ -81,7 +81,9 @@ def add_draft_vocab_args(p) -> None:
     p.add_argument("--corpus", nargs="*", default=[], help="text files or directories to count tokens in")
     p.add_argument("--pattern", default="*.py", help="file name pattern inside --corpus directories")
     p.add_argument("--stdlib", action="store_true",
-                   help="count the training split of the standard library (what the default model was trained on)")
+                   help="count the training split of the standard library (the v1 default model's training data)")
+    p.add_argument("--projects", action="store_true",
+                   help="count the v2 training corpus (train/corpus.py; what the default model is trained on)")
 
 
 def run_draft_vocab(args) -> None:
@@ -91,8 +93,8 @@ def run_draft_vocab(args) -> None:
     from mtpserve.config import ModelConfig
     from mtpserve.train import data
     model_dir = args.model or default_model_path()
-    if not args.corpus and not args.stdlib:
-        raise ValueError("draft-vocab: give --corpus FILE_OR_DIR ... and/or --stdlib")
+    if not args.corpus and not args.stdlib and not args.projects:
+        raise ValueError("draft-vocab: give --corpus FILE_OR_DIR ... and/or --stdlib or --projects")
     tokenizer_file = os.path.join(model_dir, "tokenizer.json")
     if not os.path.exists(tokenizer_file):
         raise ValueError(f"draft-vocab --model: {tokenizer_file} not found (the counts use the checkpoint's tokenizer)")
@@ -103,6 +105,10 @@ def run_draft_vocab(args) -> None:
         root = data.stdlib_root()
         texts += list(data.iter_texts(root, data.split_files(data.list_files(root))[0]))
         sources.append("the training split of the standard library (mtpserve.train.data)")
+    if args.projects:
+        from mtpserve.train import corpus
+        texts += [d.text for d in corpus.train_and_heldout()[0]]
+        sources.append("the v2 training corpus: many projects' source (mtpserve.train.corpus)")
     streams = (e.ids for e in tok.encode_batch(texts, add_special_tokens=False))
     counts = count_tokens(streams, ModelConfig.from_pretrained(model_dir).vocab_size)
     if not any(counts):
