@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     from mtpserve.disagg.proxy import add_proxy_args, run_proxy
     add_proxy_args(proxy)
     proxy.set_defaults(func=run_proxy)
-    train = sub.add_parser("train", help="train a DeepSeek-V3 + MTP model on the standard library's source")
+    train = sub.add_parser("train", help="train a DeepSeek-V3 + MTP model on Python source (the stdlib, or many projects)")
     from mtpserve.train.train import add_train_args, run_train
     add_train_args(train)
     train.set_defaults(func=run_train)

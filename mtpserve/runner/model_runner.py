@@ -79,13 +79,13 @@ class ModelRunner:
             return 0.0
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
-        if self._fuses():
+        if self.builds_fused_step():
             self.graphs.fused_k_next = self.spec.num_speculative_tokens
             shapes.append(("fused", 1 + self.spec.num_speculative_tokens))
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
 
-    def _fuses(self) -> bool:
+    def builds_fused_step(self) -> bool:
         """Graph mode builds the fused greedy step (spec_decode/fused.py) for a fixed-k MTP run in one process."""
         spec = self.spec
         return (self.graphs is not None and self.dp is None and spec is not None and spec.method == "mtp"
