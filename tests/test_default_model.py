@@ -1,6 +1,7 @@
 """The shipped default model is an ordinary HF DeepSeek-V3 checkpoint: our loader and transformers give the
 same logits, its tokenizer loads with AutoTokenizer, and speculation on it is lossless and really accepts."""
 import torch
+import torch.nn.functional as F
 
 from mtpserve import LLM, SamplingParams, default_model_path
 from mtpserve.model.loader import load_model
@@ -29,3 +30,70 @@ def test_default_model_speculation_lossless_and_accepting():
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
     assert llm.get_metrics()["acceptance_rate"] > 0.4
+
+
+def test_default_model_uses_group_limited_routing():
+    """DeepSeek-V3's routing: experts in groups, a token's experts from the best topk_group groups only. The limit
+    must bind on real text (for some token, the unrestricted top experts are not the ones picked)."""
+    from mtpserve.model.moe import Gate
+    from mtpserve.train.tokenizer import load_tokenizer
+    path = default_model_path()
+    model = load_model(path, torch.float32)
+    cfg = model.config
+    assert cfg.topk_method == "noaux_tc" and 1 < cfg.n_group and 1 <= cfg.topk_group < cfg.n_group
+    per_group = cfg.n_routed_experts // cfg.n_group
+    picks, unrestricted = [], []
+
+    def record(gate, inputs, output):
+        picks.append(output[1])
+        x = inputs[0]
+        choice = F.linear(x.float(), gate.weight.float()).sigmoid() + gate.e_score_correction_bias.float()
+        unrestricted.append(choice.topk(cfg.num_experts_per_tok, dim=-1).indices)
+
+    gates = [m for m in model.modules() if isinstance(m, Gate)]
+    assert gates
+    for g in gates:
+        g.register_forward_hook(record)
+    ids = torch.tensor([load_tokenizer(path).encode(EXAMPLE_CODE).ids])
+    with torch.no_grad():
+        model.forward_dense(ids)
+    groups_used = torch.cat([(p // per_group).sort(-1).values for p in picks])
+    spans = [len(set(row.tolist())) for row in groups_used]
+    assert max(spans) <= cfg.topk_group
+    changed = sum(int((p.sort(-1).values != u.sort(-1).values).any(-1).sum()) for p, u in zip(picks, unrestricted))
+    assert changed > 0   # the group limit changed some token's experts: it is really in effect
+
+
+def test_default_tokenizer_round_trips_python():
+    """Any Python source (this repository's, which the tokenizer never saw) and odd strings decode back exactly."""
+    import pathlib
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    root = pathlib.Path(__file__).resolve().parents[1]
+    texts = [p.read_text() for p in sorted((root / "mtpserve").rglob("*.py"))[:40]]
+    texts += [EXAMPLE_CODE, "", "\t\r\n  \x0b\x0c", "s = 'naïve café 日本語 🙂'\n", "x = b'\\x00\\xff'  # \u200b\n"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == text
+
+
+EXAMPLE_CODE = '''import json
+from dataclasses import dataclass
+
+
+@dataclass
+class Config:
+    name: str
+    size: int = 8
+
+    @classmethod
+    def load(cls, path):
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+def main(argv=None):
+    cfg = Config.load(argv[0] if argv else "config.json")
+    for i in range(cfg.size):
+        print(f"{cfg.name}-{i}")
+'''

@@ -6,7 +6,8 @@ python -m mtpserve.train.acceptance [--model DIR] [--corpus projects|stdlib] [--
 ``projects``: every held-out project and every unseen project of train/corpus.py, one row per project
 and k in 1..3 (greedy, temperature 0). ``stdlib``: the held-out standard-library files, and also
 temperature-1 rows. Prompts are ``<|bos|>`` + ``prompt_tokens`` tokens of a file, starting at a line
-picked deterministically inside it (not always the licence header at the top).
+picked deterministically inside it (not always the licence header at the top), or at its top
+(``--prompt-from start``).
 """
 import argparse
 import hashlib
@@ -33,8 +34,10 @@ def measure(model: str, prompts: list[list[int]], max_tokens: int, cases) -> lis
     return rows
 
 
-def project_prompts(tok, docs: list[corpus.Document], n: int, prompt_tokens: int) -> list[list[int]]:
-    """n prompts from the project's files (largest first, cycling), each from a line start inside the file."""
+def project_prompts(tok, docs: list[corpus.Document], n: int, prompt_tokens: int,
+                    inside: bool = True) -> list[list[int]]:
+    """n prompts from the project's files (largest first, cycling), each from a line start inside the file
+    (inside=False: from the file's first line)."""
     docs = sorted(docs, key=lambda d: (-len(d.text), d.path))
     bos = tok.token_to_id(BOS)
     prompts = []
@@ -42,7 +45,7 @@ def project_prompts(tok, docs: list[corpus.Document], n: int, prompt_tokens: int
         doc = docs[i % len(docs)]
         lines = doc.text.splitlines(keepends=True)
         h = int(hashlib.sha1(f"{doc.path}/{i}".encode()).hexdigest(), 16)
-        start = h % max(1, len(lines) * 3 // 4)
+        start = h % max(1, len(lines) * 3 // 4) if inside else 0
         ids = tok.encode("".join(lines[start:]), add_special_tokens=False).ids
         prompts.append([bos] + ids[:prompt_tokens])
     return prompts
@@ -55,6 +58,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-from", choices=["inside", "start"], default="inside",
+                   help="(projects) prompts from a line inside each file, or from its first line")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -73,7 +78,7 @@ def main(argv=None) -> list[dict]:
         rows = []
         for kind, projects in (("heldout", held), ("unseen", unseen)):
             for project, docs in projects.items():
-                prompts = project_prompts(tok, docs, args.num_prompts, args.prompt_tokens)
+                prompts = project_prompts(tok, docs, args.num_prompts, args.prompt_tokens, args.prompt_from == "inside")
                 for r in measure(model, prompts, args.max_tokens, [(k, 0.0, "probabilistic") for k in (1, 2, 3)]):
                     rows.append({"project": project, "split": kind, **r})
                     print(json.dumps(rows[-1]), flush=True)
