@@ -10,8 +10,8 @@ step with MTP, which may emit several tokens). **TPOT**: (e2e latency - TTFT) / 
 token excluded. **Acceptance rate**: accepted draft tokens / proposed draft tokens. **Mean acceptance length**:
 1 + accepted / drafts (tokens per verify step). **Per position**: fraction of verify steps whose draft i was
 accepted. **TPOT speedup**: TPOT(no MTP) / TPOT(config) at the same batch size. All latency runs: greedy
-(temperature 0), ignore_eos, fixed output length; prompts are slices of the Python standard library's source
-(the default model is trained on such text) tokenized with the model's tokenizer."""
+(temperature 0), ignore_eos, fixed output length; prompts are slices of the standard library's held-out files
+(neither default model trained on them; bench/common.py) tokenized with the model's tokenizer."""
 
 
 def _mode(rec: dict) -> str:
