@@ -28,7 +28,6 @@ class GraphRunner:
         self.block_size, self.device = block_size, device
         self.max_blocks = -(-max_span // block_size)
         self.graphs: dict[tuple, tuple] = {}    # (what, batch, query_len) -> (compiled fn, static buffers)
-        self.fused_k_next = 0                   # drafts a fused step proposes (spec_decode/fused.py)
         self.compile_seconds = 0.0
         self.cuda_graphs = torch.device(device).type == "cuda"
         mode = "reduce-overhead" if self.cuda_graphs else None
@@ -77,12 +76,12 @@ class GraphRunner:
         return (("fused", self.padded_size(len(scheduled)), 1 + k) in self.graphs
                 and all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled))
 
-    def run_fused(self, rows: list[Row], k_next: int) -> list[list[int]]:
+    def run_fused(self, rows: list[Row]) -> list[list[int]]:
         """The fused greedy step on decode rows of 1+k tokens: per row the target's 1+k argmax tokens, the
-        accepted count and k_next drafts (one host sync)."""
+        accepted count and k next drafts (one host sync)."""
         n, q = len(rows), len(rows[0].token_ids)
         fn, buf = self._graph("fused", self.padded_size(n), q)
-        inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + q + k_next))
+        inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + 2 * q - 1))
         return fn(*inputs)[:n].tolist()
 
     def _load(self, buf, rows: list[Row], q: int, bucket: int) -> list:
@@ -155,7 +154,7 @@ class GraphRunner:
 
         if what == "fused":
             from mtpserve.spec_decode.fused import fused_greedy_step
-            step = fused_greedy_step(model, main_caches, mtp_caches[0], self.block_size, batch, q, self.fused_k_next)
+            step = fused_greedy_step(model, main_caches, mtp_caches[0], self.block_size, batch, q, k_next=q - 1)
             buf = buf[:5]
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.

@@ -53,6 +53,10 @@ class ModelRunner:
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device) if spec is not None else None
+        # graph mode builds the fused greedy step (spec_decode/fused.py) for a fixed-k MTP run in one process
+        self.builds_fused_step = (self.graphs is not None and dp is None and spec is not None and spec.method == "mtp"
+                                  and spec.fused_graph_step and not spec.adaptive
+                                  and spec.synthetic_acceptance is None and spec.scorer == "mqa")
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
@@ -79,18 +83,10 @@ class ModelRunner:
             return 0.0
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
-        if self.builds_fused_step():
-            self.graphs.fused_k_next = self.spec.num_speculative_tokens
+        if self.builds_fused_step:
             shapes.append(("fused", 1 + self.spec.num_speculative_tokens))
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
-
-    def builds_fused_step(self) -> bool:
-        """Graph mode builds the fused greedy step (spec_decode/fused.py) for a fixed-k MTP run in one process."""
-        spec = self.spec
-        return (self.graphs is not None and self.dp is None and spec is not None and spec.method == "mtp"
-                and spec.fused_graph_step and not spec.adaptive and spec.synthetic_acceptance is None
-                and spec.scorer == "mqa")
 
     def _fused_step(self, scheduled) -> list[StepResult]:
         k = self.spec.num_speculative_tokens
@@ -100,7 +96,7 @@ class ModelRunner:
         self.pass_counts["mtp"] += k
         self.pass_counts["fused"] += 1
         results = []
-        for out in self.graphs.run_fused(rows, k):
+        for out in self.graphs.run_fused(rows):
             accepted = out[1 + k]
             results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted, next_drafts=out[k + 2:]))
         return results

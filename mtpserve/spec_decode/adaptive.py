@@ -37,8 +37,7 @@ class AdaptiveK:
     current: int | None = None
     forced: int | None = None                             # (calibration) k to use whatever the rates say
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
-    steps_since_probe: int = 0
-    probes: int = 0
+    steps: int = 0                                        # choices made (every PROBE_EVERY-th one probes)
 
     def __post_init__(self):
         if not self.reached:
@@ -77,10 +76,9 @@ class AdaptiveK:
     def seconds(self, batch: int, k: int) -> float | None:
         """Step seconds at this batch size: measured, or interpolated linearly between measured sizes
         (extrapolated from the nearest two beyond them)."""
-        timed = self.timed.get(k) or {}
-        if batch in timed:
-            return statistics.median(timed[batch])
-        table = {b: statistics.median(t) for b, t in timed.items()}
+        table = {b: statistics.median(t) for b, t in (self.timed.get(k) or {}).items()}
+        if batch in table:
+            return table[batch]
         sizes = sorted(table)
         if not sizes:
             return None
@@ -101,11 +99,9 @@ class AdaptiveK:
             best = self.current
         self.current = best
         k = best
-        self.steps_since_probe += 1
-        if self.max_k and self.steps_since_probe >= PROBE_EVERY:   # the other k values, in turn
-            self.steps_since_probe = 0
-            self.probes += 1
-            k = (best + 1 + self.probes % self.max_k) % (self.max_k + 1)
+        self.steps += 1
+        if self.max_k and self.steps % PROBE_EVERY == 0:   # the other k values, in turn
+            k = (best + 1 + (self.steps // PROBE_EVERY) % self.max_k) % (self.max_k + 1)
         self.choices[k] += 1
         return k
 

@@ -59,10 +59,10 @@ def fused_greedy_step(model, main_caches, mtp_cache, block_size: int, batch: int
 
 
 def fusable(runner, scheduled) -> bool:
-    """Whether this step can run as the fused graph (built when runner.builds_fused_step()): every request
+    """Whether this step can run as the fused graph (built when runner.builds_fused_step): every request
     greedy and decoding (one pending token plus k drafts, k more wanted), nothing handed over or held for a
     hand-off."""
-    if not scheduled or not runner.builds_fused_step():
+    if not scheduled or not runner.builds_fused_step:
         return False
     k = runner.spec.num_speculative_tokens
     return all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and s.req.params.greedy
