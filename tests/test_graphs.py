@@ -11,6 +11,10 @@ from tiny_models import trained_checkpoint
 # padding 3 -> 4 and 1 -> 1; a 5th and 6th request make a batch above the largest graph (eager).
 PROMPTS = [[5, 8, 11], [20, 21, 22, 23, 24, 25, 26], [30, 32], [2, 5, 8, 11, 14], [40, 41], [9, 12, 15]]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in [16, 10, 4, 12, 6, 3]]
+# seeded sampling (the same tokens with or without speculation, in graphs or eagerly) beside a greedy request
+SAMPLED = [SamplingParams(temperature=1.5, top_p=0.95, max_tokens=16, ignore_eos=True, seed=7),
+           SamplingParams(temperature=2.0, top_k=20, max_tokens=12, ignore_eos=True, seed=3),
+           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +38,14 @@ def test_graph_mode_two_mtp_layers(ckpt2):
     """A checkpoint with two MTP layers: graph mode drafts every depth with layer 0 (no graph for layer 1),
     still lossless and accepting."""
     graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3})
-    assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "mtp0", "fused"}
+    assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "mtp0", "fused", "fused_sampled"}
     assert graph.get_metrics()["acceptance_rate"] > 0.3
 
 
 def check_graph_mode(ckpt, spec):
-    """Graph mode gives eager's tokens (greedy MTP steps run fused: spec_decode/fused.py) and, where eager drafts
-    with the same layer (one MTP layer), the same acceptance at every draft position."""
+    """Graph mode gives eager's tokens, greedy and seeded sampling (MTP decode steps run fused:
+    spec_decode/fused.py) and, where eager drafts with the same layer (one MTP layer), the same acceptance at
+    every draft position."""
     eager = LLM(ckpt, speculative_config=spec, enforce_eager=True)
     graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1, 2, 4], max_model_len=64)
     assert graph.engine.graph_warmup_seconds > 0
@@ -53,7 +58,7 @@ def check_graph_mode(ckpt, spec):
         runs["graph"] += 1
         return original(*args, **kwargs)
     graphs.run = counting_run
-    for prompts, params in [(PROMPTS[:3], PARAMS[:3]), (PROMPTS, PARAMS)]:
+    for prompts, params in [(PROMPTS[:3], PARAMS[:3]), (PROMPTS, PARAMS), (PROMPTS[:3], SAMPLED)]:
         want = eager.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         got = graph.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -62,7 +67,9 @@ def check_graph_mode(ckpt, spec):
     bm = graph.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     if spec is not None:
-        assert (graph.engine.runner.pass_counts["fused"] > 0) == spec.get("fused_graph_step", True)
+        fused = spec.get("fused_graph_step", True)
+        assert (graph.engine.runner.pass_counts["fused"] > 0) == fused
+        assert (graph.engine.runner.pass_counts["fused_sampled"] > 0) == fused
         if eager.engine.model.num_mtp_layers == 1:
             assert graph.get_metrics()["accepted_per_position"] == eager.get_metrics()["accepted_per_position"]
     return graph

@@ -14,6 +14,17 @@ def random_checkpoint(path, **overrides) -> str:
     return write_random_checkpoint(str(path), seed=0, **overrides)
 
 
+def peaked_checkpoint(path, head_scale: float = 60.0, **overrides) -> str:
+    """A random checkpoint with its LM head scaled up: peaked distributions, the draft's unlike the target's
+    (near-uniform ones, as random weights give, cannot tell a wrong sampling rule from a right one)."""
+    hf = tiny_config(**overrides)
+    model = DeepseekV3ForCausalLM(ModelConfig.from_dict(hf))
+    model.init_weights(0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return save_checkpoint(model, str(path), dtype=torch.float32, hf_config=hf)
+
+
 def pattern_batch(gen: torch.Generator, batch: int, length: int) -> torch.Tensor:
     """Sequences t[i+1] = t[i] + stride (mod vocab), stride in 1..3 per sequence, ids >= 2 (0/1: bos/eos)."""
     start = torch.randint(0, PATTERN_VOCAB - 2, (batch, 1), generator=gen)

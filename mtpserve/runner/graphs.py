@@ -22,8 +22,10 @@ from mtpserve.runner.batch import Row
 
 class GraphRunner:
     def __init__(self, model, main_caches, mtp_caches, batch_sizes: list[int], block_size: int,
-                 max_span: int, device):
+                 max_span: int, device, draft_sampling: str = "greedy"):
+        """draft_sampling: how the sampled fused step drafts (speculative_config.draft_sampling)."""
         self.model, self.main_caches, self.mtp_caches = model, main_caches, mtp_caches
+        self.draft_sampling = draft_sampling
         self.batch_sizes = sorted(batch_sizes)
         self.block_size, self.device = block_size, device
         self.max_blocks = -(-max_span // block_size)
@@ -70,19 +72,25 @@ class GraphRunner:
         # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
         return out.clone() if self.cuda_graphs else out
 
-    def fits_fused(self, scheduled, k: int) -> bool:
-        """A fused step (spec_decode/fused.py) was built for this batch size, and the table covers the drafts'
-        positions (up to 2k past the pending token)."""
-        return (("fused", self.padded_size(len(scheduled)), 1 + k) in self.graphs
+    def fits_fused(self, what: str, scheduled, k: int) -> bool:
+        """A fused step (spec_decode/fused.py: what is "fused" or "fused_sampled") was built for this batch
+        size, and the table covers the drafts' positions (up to 2k past the pending token)."""
+        return ((what, self.padded_size(len(scheduled)), 1 + k) in self.graphs
                 and all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled))
 
-    def run_fused(self, rows: list[Row]) -> list[list[int]]:
-        """The fused greedy step on decode rows of 1+k tokens: per row the target's 1+k argmax tokens, the
-        accepted count and k next drafts (one host sync)."""
+    def run_fused(self, what: str, rows: list[Row], sampling: list[torch.Tensor] | None = None):
+        """The fused step on decode rows of 1+k tokens -> (per row the emitted 1+k tokens, the accepted count
+        and k next drafts (one host sync); the drafts' distributions [rows, k, V] or None). sampling: the
+        sampled step's further inputs (fused.sampling_inputs), one row per request."""
         n, q = len(rows), len(rows[0].token_ids)
-        fn, buf = self._graph("fused", self.padded_size(n), q)
+        fn, buf = self._graph(what, self.padded_size(n), q)
         inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + 2 * q - 1))
-        return fn(*inputs)[:n].tolist()
+        if sampling is None:
+            return fn(*inputs)[:n].tolist(), None
+        for target, value in zip(buf[5:], sampling):   # (padding rows keep what they held: their outputs are dropped)
+            target[:n].copy_(value)
+        ids, probs = fn(*inputs, *buf[5:])
+        return ids[:n].tolist(), None if probs is None else probs[:n].clone()
 
     def _load(self, buf, rows: list[Row], q: int, bucket: int) -> list:
         """Copies the rows into the static buffers; returns the graph's first five inputs."""
@@ -138,12 +146,12 @@ class GraphRunner:
         buf = [torch.zeros(batch * q, dtype=torch.long, device=dev), torch.zeros(batch * q, dtype=torch.long, device=dev),
                torch.zeros(batch, dtype=torch.long, device=dev), torch.full((batch * q,), -1, dtype=torch.long, device=dev),
                torch.zeros(batch, self.max_blocks, dtype=torch.long, device=dev),
-               None if what in ("main", "fused") else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(),
-                                                                  device=dev),
-               torch.arange(batch, device=dev) * q if self.indexed(what, q) and what != "fused" else None]
+               None if what == "main" or what.startswith("fused")
+               else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev),
+               torch.arange(batch, device=dev) * q if self.indexed(what, q) and not what.startswith("fused") else None]
         query_start_loc = torch.arange(batch + 1, device=dev) * q
         model, main_caches, mtp_caches = self.model, self.main_caches, self.mtp_caches
-        layer = None if what in ("main", "fused") else int(what.removeprefix("mtp"))
+        layer = None if what == "main" or what.startswith("fused") else int(what.removeprefix("mtp"))
 
         def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden, output_index):
             max_seq_len = block_tables.shape[1] * self.block_size
@@ -152,14 +160,16 @@ class GraphRunner:
                 return model(input_ids, positions, meta, main_caches)
             return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
 
-        if what == "fused":
-            from mtpserve.spec_decode.fused import fused_greedy_step
-            step = fused_greedy_step(model, main_caches, mtp_caches[0], self.block_size, batch, q, k_next=q - 1)
-            buf = buf[:5]
+        if what in ("fused", "fused_sampled"):
+            from mtpserve.spec_decode.fused import fused_step
+            sampled = what == "fused_sampled"
+            step = fused_step(model, main_caches, mtp_caches[0], self.block_size, batch, q, q - 1, sampled,
+                              self.draft_sampling)
+            buf = buf[:5] + (self._sampling_buffers(batch, q - 1) if sampled else [])
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.
         code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")
-        fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__))
+        fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__))
         start = time.perf_counter()
         # Compile now, and run the warm-up buckets (each one captured on CUDA) with padding rows only: no real
         # KV is touched.
@@ -171,6 +181,14 @@ class GraphRunner:
                 fn(*self._inputs(buf, bucket))
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
+
+    def _sampling_buffers(self, batch: int, k: int) -> list[torch.Tensor]:
+        """The sampled fused step's further inputs, as padding rows keep them: greedy, noise 1, uniform 0."""
+        dev, vocab = self.device, self.model.config.vocab_size
+        return [torch.zeros(batch, device=dev), torch.zeros(batch, dtype=torch.long, device=dev),
+                torch.ones(batch, device=dev), torch.ones(batch, 2 * k + 1, vocab, device=dev),
+                torch.zeros(batch, k, device=dev), torch.zeros(batch, dtype=torch.bool, device=dev),
+                torch.zeros(batch, k, vocab, device=dev)]
 
     def _dtype(self):
         return next(self.model.parameters()).dtype

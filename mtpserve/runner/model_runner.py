@@ -46,7 +46,7 @@ class ModelRunner:
         self.graphs = None
         if graph_batch_sizes:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
-                                      max_span, device)
+                                      max_span, device, spec.draft_sampling if spec is not None else "greedy")
         self.dp = dp
         self.pass_counts = Counter()   # forwards run: "main", "mtp" and (DP) their dummies
         self._planned_passes = self._passes_run = self._step_passes = 0
@@ -85,20 +85,28 @@ class ModelRunner:
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
         if self.builds_fused_step:
             shapes.append(("fused", 1 + self.spec.num_speculative_tokens))
+            if self.spec.verification == "token":   # (block verification keeps the separate graphs)
+                shapes.append(("fused_sampled", 1 + self.spec.num_speculative_tokens))
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
 
-    def _fused_step(self, scheduled) -> list[StepResult]:
+    def _fused_step(self, what: str, scheduled) -> list[StepResult]:
         k = self.spec.num_speculative_tokens
         rows = [Row(s.req.all_token_ids[s.start:s.start + 1] + s.draft_token_ids, s.start, s.req.block_ids)
                 for s in scheduled]
         self.pass_counts["main"] += 1
         self.pass_counts["mtp"] += k
-        self.pass_counts["fused"] += 1
+        self.pass_counts[what] += 1
+        sampling = None
+        if what == "fused_sampled":
+            sampling = fused.sampling_inputs(self.spec, [s.req for s in scheduled], k, self.model.config.vocab_size,
+                                             self.generator, self.device)
+        outs, probs = self.graphs.run_fused(what, rows, sampling)
         results = []
-        for out in self.graphs.run_fused(rows):
+        for i, out in enumerate(outs):
             accepted = out[1 + k]
-            results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted, next_drafts=out[k + 2:]))
+            results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted, next_drafts=out[k + 2:],
+                                      next_draft_probs=None if probs is None else probs[i]))
         return results
 
     def _forward_in_step(self, what, rows, prev_hidden, output_index):
@@ -146,8 +154,9 @@ class ModelRunner:
                 self.forward("main", [])
                 self._finish_dp_step()
                 return []
-        if fused.fusable(self, scheduled):
-            return self._fused_step(scheduled)
+        fused_what = fused.fused_graph(self, scheduled)
+        if fused_what is not None:
+            return self._fused_step(fused_what, scheduled)
         rows, offsets = [], [0]   # offsets[i]: where request i's tokens start in the flat batch
         pad_to = self._graph_query_len(scheduled)
         for s in scheduled:

@@ -12,15 +12,18 @@ MIN_TEMPERATURE = 1e-5
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """logits [M, V]; per-row temperature (0 = greedy), top_k (<= 0 = off), top_p -> probs [M, V] (fp32)."""
+                    top_p: torch.Tensor, static: bool = False) -> torch.Tensor:
+    """logits [M, V]; per-row temperature (0 = greedy), top_k (<= 0 = off), top_p -> probs [M, V] (fp32).
+    Each row's distribution depends on its own parameters only. static: no branch on the values (inside a
+    compiled graph), every path computed and the rows' own picked; eagerly the paths no row needs are skipped."""
     logits = logits.float()
     greedy = temperature == 0
-    if bool(greedy.all()):
+    if not static and bool(greedy.all()):
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     # (a temperature below 1e-5 samples like greedy, and dividing by it could overflow float32 to inf - inf = NaN)
     scaled = logits / torch.where(greedy, 1.0, temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(-1)
-    if bool(((top_k > 0) | (top_p < 1)).any()):
+    filtered = (top_k > 0) | (top_p < 1)
+    if static or bool(filtered.any()):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -30,9 +33,10 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
         cumulative = sorted_probs.cumsum(-1) - sorted_probs   # mass strictly before each token
         drop |= cumulative >= top_p.unsqueeze(-1)
         drop[:, 0] = False
-        scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        kept = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        scaled = torch.where(filtered.unsqueeze(-1), kept, scaled)
     probs = scaled.softmax(-1)
-    if bool(greedy.any()):
+    if static or bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     return probs

@@ -1,70 +1,130 @@
-"""The fused speculative step of graph mode (greedy MTP): verify, accept and draft in one compiled graph.
+"""The fused speculative step of graph mode (MTP): verify, accept and draft in one compiled graph.
 
 One decode step of B requests, each verifying k drafts (1+k query tokens), normally runs the main graph, the
 LM head and the acceptance eagerly, the MTP graph at the accepted index, the draft head eagerly, and k-1 more
-one-token MTP graphs, with a host sync between each. When every request is greedy all of it is a function of
-the step's inputs alone, so it compiles into one graph with one host sync at the end:
+one-token MTP graphs, with a host sync between each. All of it is a function of the step's inputs (and, when
+requests sample, of random draws that can be made before the step), so it compiles into one graph with one
+host sync at the end:
 
-    hidden  = main model over the 1+k tokens                  (writes main KV)
-    target  = argmax of the LM head at each of the 1+k positions
-    accepted = number of leading drafts equal to target          (greedy verification)
-    MTP layer 0 over the 1+k positions, fed target as the next tokens (equal to the drafts where accepted,
-             the bonus token at the accepted index), run at the accepted index   (writes MTP KV)
-    draft 1 = argmax of the draft head; drafts 2..k_next: layer 0 one token further each (graph mode's
-             drafting, as in spec_decode/mtp.py)
+    hidden   = main model over the 1+k tokens                                       (writes main KV)
+    target   = greedy: the LM head's argmax at each of the 1+k positions; sampled: the requests' distributions
+    accepted = greedy: leading drafts equal to the argmax; sampled: token-wise rejection sampling (coupled for
+               seeded requests and argmax drafts), spec_decode/verify.py, then the recovered or bonus token
+    MTP layer 0 over the 1+k positions, fed the emitted tokens as the next tokens (equal to the drafts where
+             accepted, the extra token at the accepted index), run at the accepted index     (writes MTP KV)
+    draft 1  = the draft head's argmax, or a draw from its distribution; drafts 2..k: layer 0 one token further
+               each (graph mode's drafting, as in spec_decode/mtp.py)
 
-Tokens, acceptance and drafts are exactly those of the unfused path: the same computations in the same order,
-only without the trips through Python in between.
+Random draws come in as inputs, keyed as the unfused path keys them (sampling/sampler.py draw): Exp(1) noise at
+the 2k+1 positions from the pending token on (the target's 1+k slots; the next drafts sit at positions
+accepted+1.. of the same range, which this step's emitted tokens never read) and a uniform per draft. Tokens,
+acceptance and drafts are those of the unfused path: the same computations in the same order, only without the
+trips through Python in between (a seeded request gets the same tokens; an unseeded one the same distribution).
 """
 import torch
 
 from mtpserve.model.attention import AttentionMetadata
+from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, logits_to_probs, sample, sampling_tensors
+from mtpserve.spec_decode.verifier import stack_draft_probs
+from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
 
-def fused_greedy_step(model, main_caches, mtp_cache, block_size: int, batch: int, q: int, k_next: int):
-    """step(input_ids, positions, seq_lens, slot_mapping, block_tables) -> [batch, q + 1 + k_next] ids: the
-    target's argmax at the q positions, the accepted count, the next drafts. Padding rows (KV length 0,
-    slot -1) compute garbage that the caller drops, and write no KV."""
-    query_start_loc = torch.arange(batch + 1, device=mtp_cache.device) * q
-    row_start = torch.arange(batch, device=mtp_cache.device) * q
-    one_token = torch.arange(batch + 1, device=mtp_cache.device)
+def fused_step(model, main_caches, mtp_cache, block_size: int, batch: int, q: int, k_next: int,
+               sampled: bool = False, draft_sampling: str = "greedy"):
+    """Greedy: step(input_ids, positions, seq_lens, slot_mapping, block_tables) -> ids [batch, q + 1 + k_next]:
+    the target's argmax at the q positions, the accepted count, the next drafts. Sampled: the same five inputs,
+    then sampling_inputs(), -> (ids: the emitted tokens (-1 past the accepted ones), the accepted count, the
+    next drafts; the drafts' distributions [batch, k_next, V], or None for argmax drafts). Padding rows (KV
+    length 0, slot -1, greedy) compute garbage that the caller drops, and write no KV."""
+    device = mtp_cache.device
+    query_start_loc = torch.arange(batch + 1, device=device) * q
+    row_start = torch.arange(batch, device=device) * q
+    one_token = torch.arange(batch + 1, device=device)
+    rows = torch.arange(batch, device=device)
+    vocab = model.draft_vocab
+    probabilistic = sampled and draft_sampling == "probabilistic"
 
-    def draft(hidden):
-        token = model.mtp_logits(0, hidden, restricted=True).argmax(-1)
-        return token if model.draft_vocab is None else model.draft_vocab[token]
+    def draft(hidden, params, noise):
+        """The next draft of every row; with params (sampled), its distribution over the whole vocabulary."""
+        logits = model.mtp_logits(0, hidden, restricted=True)
+        if not probabilistic:
+            token = logits.argmax(-1)
+            return (token if vocab is None else vocab[token]), None
+        probs = logits_to_probs(logits, *params, static=True)
+        token = sample(probs, noise[:, :probs.shape[-1]])
+        if vocab is None:
+            return token, probs
+        full = probs.new_zeros(batch, model.config.vocab_size).index_copy(1, vocab, probs)
+        return vocab[token], full
 
-    def step(input_ids, positions, seq_lens, slot_mapping, block_tables):
+    def step(input_ids, positions, seq_lens, slot_mapping, block_tables, temperature=None, top_k=None, top_p=None,
+             noise=None, uniforms=None, coupled=None, draft_probs=None):
         max_seq_len = block_tables.shape[1] * block_size
         meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
         hidden = model(input_ids, positions, meta, main_caches)
-        target = model.compute_logits(hidden).argmax(-1).view(batch, q)
+        logits = model.compute_logits(hidden)
         drafts = input_ids.view(batch, q)[:, 1:]
-        accepted = (drafts == target[:, :q - 1]).long().cumprod(-1).sum(-1)
+        params = None
+        if not sampled:
+            emitted = logits.argmax(-1).view(batch, q)
+            accepted = (drafts == emitted[:, :q - 1]).long().cumprod(-1).sum(-1)
+        else:
+            params = (temperature, top_k, top_p)
+            per_token = [t.repeat_interleave(q) for t in params]
+            target = logits_to_probs(logits, *per_token, static=True).view(batch, q, -1)
+            if probabilistic:
+                emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], "token", coupled)
+            else:   # argmax drafts: every row coupled (verify.py)
+                emitted, accepted = verify_tokens(drafts, None, target, None, noise[:, :q], "token", [True] * batch)
         index = row_start + accepted
         # the MTP pass reuses the main pass's metadata: the same tokens' positions and slots
-        out = model.mtp_forward(0, target.flatten(), positions, hidden, meta, mtp_cache, index)
+        out = model.mtp_forward(0, emitted.clamp_min(0).flatten(), positions, hidden, meta, mtp_cache, index)
         real = seq_lens > 0
         position = positions[index]
-        next_drafts = [draft(out)]
-        for j in range(1, k_next):   # one token at the next position, fed the previous draft and output
-            p = position + j
-            block = block_tables.gather(1, (p // block_size).unsqueeze(1)).squeeze(1)
-            slots = torch.where(real, block * block_size + p % block_size, -1)
-            meta_j = AttentionMetadata(one_token, torch.where(real, p + 1, 0), slots, block_tables, 1, max_seq_len)
-            out = model.mtp_forward(0, next_drafts[-1], p, out, meta_j, mtp_cache)
-            next_drafts.append(draft(out))
-        return torch.cat([target, accepted.unsqueeze(1), torch.stack(next_drafts, dim=1)], dim=1)
+        next_drafts, next_probs = [], []
+        for j in range(k_next):
+            if j:   # one token at the next position, fed the previous draft and output
+                p = position + j
+                block = block_tables.gather(1, (p // block_size).unsqueeze(1)).squeeze(1)
+                slots = torch.where(real, block * block_size + p % block_size, -1)
+                meta_j = AttentionMetadata(one_token, torch.where(real, p + 1, 0), slots, block_tables, 1, max_seq_len)
+                out = model.mtp_forward(0, next_drafts[-1], p, out, meta_j, mtp_cache)
+            token, probs = draft(out, params, None if noise is None else noise[rows, accepted + 1 + j])
+            next_drafts.append(token)
+            next_probs.append(probs)
+        ids = torch.cat([emitted, accepted.unsqueeze(1), torch.stack(next_drafts, dim=1)], dim=1)
+        if not sampled:
+            return ids
+        return ids, (torch.stack(next_probs, dim=1) if probabilistic else None)
 
     return step
 
 
-def fusable(runner, scheduled) -> bool:
-    """Whether this step can run as the fused graph (built when runner.builds_fused_step): every request
-    greedy and decoding (one pending token plus k drafts, k more wanted), nothing handed over or held for a
-    hand-off."""
+def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> list[torch.Tensor]:
+    """The sampled fused step's inputs after the first five: per request temperature, top_k, top_p; Exp(1) noise
+    [B, 2k+1, V] for the positions from the pending token on; a uniform per draft [B, k]; which rows verify by
+    coupling [B]; the drafts' distributions [B, k, V] (one-hot for argmax drafts). As the unfused Verifier and
+    MTP drafter draw them: a seeded request's draws keyed on its positions, greedy rows none."""
+    seeds, positions, greedy = [r.seed for r in reqs], [r.num_tokens for r in reqs], [r.params.greedy for r in reqs]
+    noise = draw(seeds, positions, 2 * k + 1, vocab_size, "exponential", TARGET_NOISE, generator, device, greedy)
+    uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, generator, device, greedy)[..., 0]
+    drafts = torch.tensor([r.draft_token_ids for r in reqs], device=device)
+    probabilistic = spec.draft_sampling == "probabilistic"
+    coupled = coupled_rows(drafts if probabilistic else None, "token", [s is not None for s in seeds])
+    return [*sampling_tensors(reqs, None, device), noise, uniforms, torch.tensor(coupled, device=device),
+            stack_draft_probs(reqs, drafts, vocab_size)]
+
+
+def fused_graph(runner, scheduled) -> str | None:
+    """The fused graph this step can run as (built when runner.builds_fused_step): "fused" when every request
+    is greedy, "fused_sampled" when some sample (token-wise verification); None when some request is not
+    decoding (one pending token plus k drafts, k more wanted) or is handed over or held for a hand-off."""
     if not scheduled or not runner.builds_fused_step:
-        return False
+        return None
     k = runner.spec.num_speculative_tokens
-    return all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and s.req.params.greedy
+    if not all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k
                and not s.req.placeholder_drafts and not s.req.hold_kv and s.req.mtp_prefix_hidden is None
-               and s.num_next_drafts in (None, k) for s in scheduled) and runner.graphs.fits_fused(scheduled, k)
+               and s.num_next_drafts in (None, k) for s in scheduled):
+        return None
+    what = "fused" if all(s.req.params.greedy for s in scheduled) else "fused_sampled"
+    return what if runner.graphs.fits_fused(what, scheduled, k) else None

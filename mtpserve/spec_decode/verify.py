@@ -112,7 +112,8 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     noise:        [B, k+1, V] Exp(1) noise for the recovered / bonus token draw at each position.
     method:       "token" (token-wise rejection sampling) or "block" (block verification, Sun et al. 2025);
                   see the module docstring for both algorithms.
-    coupled:      [B] bools, rows verified by coupling (default: coupled_rows() with no seeded rows).
+    coupled:      [B] bools, rows verified by coupling (default: coupled_rows() with no seeded rows); a bool
+                  tensor inside a compiled graph (both rules computed, each row's picked).
     Returns (output_tokens [B, k+1] long: the accepted drafts, then the one extra token, then -1 padding;
              num_accepted [B] long in [0, k]).
     """
@@ -127,7 +128,8 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     rows = torch.arange(B, device=device)
 
     coupled = coupled if coupled is not None else coupled_rows(draft_probs, method, [False] * B)
-    if all(coupled):
+    per_row = torch.is_tensor(coupled)
+    if not per_row and all(coupled):
         return _coupled(draft_tokens, target, noise)
     if k == 0:
         tau = torch.zeros(B, dtype=torch.long, device=device)
@@ -168,8 +170,8 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     drafts_padded = torch.cat([draft_tokens, torch.full((B, 1), -1, dtype=torch.long, device=device)], dim=1)
     out = torch.where(pos < tau.unsqueeze(1), drafts_padded, torch.full_like(drafts_padded, -1))
     out[rows, tau] = extra
-    if any(coupled):
+    if per_row or any(coupled):
         c_out, c_tau = _coupled(draft_tokens, target, noise)
-        mask = torch.tensor(coupled, device=device)
+        mask = coupled if per_row else torch.tensor(coupled, device=device)
         out, tau = torch.where(mask.unsqueeze(1), c_out, out), torch.where(mask, c_tau, tau)
     return out, tau
