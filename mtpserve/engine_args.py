@@ -1,5 +1,5 @@
-"""The engine's command-line flags, defined once for `mtpserve generate`, `mtpserve serve` (and the tests):
-vLLM's names, engine keyword arguments out."""
+"""The engine's command-line flags, defined once for `mtpserve generate`, `mtpserve serve`, `mtpserve bench` (and
+the tests): vLLM's names, engine keyword arguments out."""
 import argparse
 import json
 
@@ -14,17 +14,23 @@ def json_object(text: str) -> dict:
     return value
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF DeepSeek-V3 checkpoint directory (default: the shipped model)")
+def add_model_args(p: argparse.ArgumentParser,
+                   model_help: str = "HF DeepSeek-V3 checkpoint directory (default: the shipped model)") -> None:
+    """The checkpoint, the speculation and the dtype (every engine-building command has them)."""
+    p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--speculative-config", default=None, type=json_object,
                    help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (default: no speculation)')
+    p.add_argument("--dtype", default="auto")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, prompt chunks included (default: the engine's, 2048)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="auto")
     add_quantization_arg(p)
     p.add_argument("--device", default="auto")
     add_graph_args(p)
@@ -59,14 +65,16 @@ def parallel_kwargs(args) -> dict:
                 master_addr=args.master_addr, master_port=args.master_port)
 
 
-def add_graph_args(p: argparse.ArgumentParser) -> None:
-    """Graph-mode flags, shared by generate and serve (see graph_kwargs)."""
+def add_graph_args(p: argparse.ArgumentParser, batch_sizes: bool = True) -> None:
+    """Graph-mode flags, shared by generate, serve and bench (see graph_kwargs; bench sweeps set the graph batch
+    sizes themselves: batch_sizes=False)."""
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never use graphs (default: graphs on CUDA, eager on CPU)")
     p.add_argument("--graph-mode", action="store_true",
                    help="compiled decode steps also on the CPU (faster decode; ~10-100 s of compiling at start-up)")
-    p.add_argument("--graph-batch-sizes", default=None,
-                   help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
+    if batch_sizes:
+        p.add_argument("--graph-batch-sizes", default=None,
+                       help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
 
 
 def graph_kwargs(args) -> dict:
@@ -74,7 +82,7 @@ def graph_kwargs(args) -> dict:
     if args.graph_mode and args.enforce_eager:
         raise SystemExit("--graph-mode and --enforce-eager: choose one")
     kw = dict(enforce_eager=False if args.graph_mode else args.enforce_eager)
-    if args.graph_batch_sizes:
+    if getattr(args, "graph_batch_sizes", None):
         kw["graph_batch_sizes"] = [int(b) for b in args.graph_batch_sizes.split(",")]
     return kw
 

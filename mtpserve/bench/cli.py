@@ -4,24 +4,19 @@ import asyncio
 import json
 
 from mtpserve.bench import common
+from mtpserve.engine_args import add_graph_args, add_model_args, add_quantization_arg, graph_kwargs
 
 
 def _common(p: argparse.ArgumentParser, input_len: int = 32, output_len: int = 64) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the shipped model; while it is absent, "
-                                                 "a random stand-in checkpoint written under --scratch-dir)")
-    p.add_argument("--speculative-config", default=None, type=json.loads,
-                   help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    add_model_args(p, "checkpoint dir (default: the shipped model; while it is absent, a random stand-in checkpoint "
+                      "written under --scratch-dir)")
+    add_graph_args(p, batch_sizes=False)
     p.add_argument("--input-len", type=int, default=input_len)
     p.add_argument("--output-len", type=int, default=output_len)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--output-json", default=None)
-    p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="never use graphs (default: graphs on CUDA, eager on the CPU)")
-    p.add_argument("--graph-mode", action="store_true",
-                   help="force graph mode (compiled fixed-shape decode steps), also on the CPU")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--scratch-dir", default="runs/bench")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
 
@@ -49,6 +44,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _common(fu)
     fu.add_argument("--ks", default="1,2", help="comma list of num_speculative_tokens")
     fu.add_argument("--batch-sizes", default="1,8", help="comma list")
+    fu.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: seeded sampling requests (the same tokens with and without MTP) instead of greedy")
     tp = sub.add_parser("throughput", help="many prompts offline: tokens/s and requests/s")
     _common(tp, 32, 64)
     tp.add_argument("--max-num-seqs", type=int, default=64)
@@ -76,7 +73,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                     "attention + expert parallel), tpNep (TP with whole experts per rank)")
     pa.add_argument("--tensor-parallel-sizes", default=None, help="comma list: the same as --layouts tp1,tp2,...")
     pa.add_argument("--batch-sizes", default="1,32", help="comma list")
-    pa.add_argument("--quantization", default=None, choices=["fp8", "none"], help="as for generate/serve")
+    add_quantization_arg(pa)
     ho = sub.add_parser("handoff", help="a decode server's first step after a scheme-2 hand-off: padded graph vs eager")
     _common(ho, 256, 16)
     ho.add_argument("--k", type=int, default=1, help="num_speculative_tokens")
@@ -104,8 +101,8 @@ def run_bench(args) -> dict | None:
         notes = open(args.notes).read().strip() if args.notes else None
         report.write_report(args.results, args.out, args.plot_dir, notes)
         return None
-    if getattr(args, "graph_mode", False):
-        args.enforce_eager = False
+    if hasattr(args, "graph_mode"):
+        args.enforce_eager = graph_kwargs(args)["enforce_eager"]
     if getattr(args, "threads", None):
         import torch
         torch.set_num_threads(args.threads)
@@ -156,7 +153,7 @@ def _adaptive(args, path: str) -> dict:
 def _fused(args, path: str) -> dict:
     from mtpserve.bench import fused
     res = fused.run_fused(path, common.parse_list(args.ks), common.parse_list(args.batch_sizes), args.input_len,
-                          args.output_len, args.num_iters, args.dtype)
+                          args.output_len, args.num_iters, args.dtype, args.temperature)
     print("\n".join(fused.table(res)))
     return res
 

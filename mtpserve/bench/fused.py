@@ -2,13 +2,14 @@
 and against no speculation, side by side: the engines run the same prompts, iterations interleaved round-robin.
 
 Per batch size and configuration: TPOT (ms per output token, decode only), ms per engine step, tokens per step
-(1 + accepted drafts), speedup over no MTP, and whether the greedy tokens equal no MTP's."""
+(1 + accepted drafts), speedup over no MTP, and whether the tokens equal no MTP's (greedy, or sampling with a seed
+per request: the same tokens with and without speculation)."""
 from mtpserve.bench import common
 from mtpserve.bench.latency import build_engine, run_batch
 
 
 def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
-              dtype: str = "auto", log=print) -> dict:
+              dtype: str = "auto", temperature: float = 0.0, log=print) -> dict:
     specs = {"no_mtp": None}
     for k in ks:
         specs[f"k{k}_separate"] = {"method": "mtp", "num_speculative_tokens": k, "fused_graph_step": False}
@@ -24,7 +25,8 @@ def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int,
     for it in range(num_iters):
         for bs in batch_sizes:
             for name, eng in engines.items():
-                r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
+                r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}",
+                              temperature=temperature)
                 runs[(bs, name)].append(r)
                 log(f"  iter {it} batch {bs:3d} {name:12s} {r['duration']:.3f}s")
     rows = []
@@ -43,7 +45,7 @@ def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int,
             base = base or row
             row["tpot_speedup"] = base["tpot_ms"] / row["tpot_ms"]
             rows.append(row)
-    return dict(configs=list(engines), rows=rows)
+    return dict(configs=list(engines), rows=rows, temperature=temperature)
 
 
 def table(res: dict) -> list[str]:

@@ -43,15 +43,17 @@ def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, en
                                  tensor_parallel_size=tensor_parallel_size, **graphs)
 
 
-def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b") -> dict:
-    """Runs `prompts` as one batch to completion; -> per-request metrics, totals, spec counters, tokens."""
+def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b", temperature: float = 0.0) -> dict:
+    """Runs `prompts` as one batch to completion; -> per-request metrics, totals, spec counters, tokens.
+    temperature > 0: sampling, request i seeded with i (the same tokens in every engine)."""
     from mtpserve.spec_decode.metrics import SpecDecodeMetrics
     if engine.spec_metrics is not None:
         engine.spec_metrics = SpecDecodeMetrics(engine.spec_metrics.num_speculative_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     start = time.perf_counter()
-    for rid, p in zip(ids, prompts):
+    for i, (rid, p) in enumerate(zip(ids, prompts)):
+        params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
+                                seed=i if temperature > 0 else None)
         engine.add_request(rid, None, p, params)
     emissions = {rid: [] for rid in ids}
     tokens, num_steps = {}, 0

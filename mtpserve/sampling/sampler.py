@@ -14,8 +14,8 @@ MIN_TEMPERATURE = 1e-5
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor, static: bool = False) -> torch.Tensor:
     """logits [M, V]; per-row temperature (0 = greedy), top_k (<= 0 = off), top_p -> probs [M, V] (fp32).
-    Each row's distribution depends on its own parameters only. static: no branch on the values (inside a
-    compiled graph), every path computed and the rows' own picked; eagerly the paths no row needs are skipped."""
+    Each row's distribution depends on its own parameters only. static: no host branch on the values (inside
+    a compiled graph: the top-k/top-p filter is a graph conditional, greedy rows picked by a select)."""
     logits = logits.float()
     greedy = temperature == 0
     if not static and bool(greedy.all()):
@@ -23,23 +23,30 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     # (a temperature below 1e-5 samples like greedy, and dividing by it could overflow float32 to inf - inf = NaN)
     scaled = logits / torch.where(greedy, 1.0, temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(-1)
     filtered = (top_k > 0) | (top_p < 1)
-    if static or bool(filtered.any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        ranks = torch.arange(vocab, device=logits.device)
-        drop = ranks.unsqueeze(0) >= k.unsqueeze(-1)
-        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        cumulative = sorted_probs.cumsum(-1) - sorted_probs   # mass strictly before each token
-        drop |= cumulative >= top_p.unsqueeze(-1)
-        drop[:, 0] = False
-        kept = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        scaled = torch.where(filtered.unsqueeze(-1), kept, scaled)
+    if static:   # (a sort of the vocabulary costs more than the rest of the step: only when some row filters)
+        scaled = torch.cond(filtered.any(), _top_k_top_p, lambda s, f, k, p: s.clone(), (scaled, filtered, top_k, top_p))
+    elif bool(filtered.any()):
+        scaled = _top_k_top_p(scaled, filtered, top_k, top_p)
     probs = scaled.softmax(-1)
     if static or bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     return probs
+
+
+def _top_k_top_p(scaled: torch.Tensor, filtered: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """The filtered rows' logits with the tokens outside their top-k / top-p set at -inf; other rows as given."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=scaled.device)
+    drop = ranks.unsqueeze(0) >= k.unsqueeze(-1)
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    cumulative = sorted_probs.cumsum(-1) - sorted_probs   # mass strictly before each token
+    drop |= cumulative >= top_p.unsqueeze(-1)
+    drop[:, 0] = False
+    kept = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.where(filtered.unsqueeze(-1), kept, scaled)
 
 
 _MASK64 = (1 << 64) - 1
