@@ -284,3 +284,33 @@ def test_extreme_sampling_values_are_refused_or_safe():
     probs = logits_to_probs(logits, torch.tensor([1e-40, 1.0]), torch.tensor([-1, -1]), torch.tensor([1.0, 1.0]))
     assert not probs.isnan().any()
     assert probs[0].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_top_k_top_p_from_candidates_equals_sorting_whole_rows():
+    """The filter looks at each row's best CANDIDATES tokens and sorts a whole row only when its kept set may
+    reach past them: the distributions equal a whole-row sort's, for top-k within and past the candidates, top-p
+    sets that fit and that do not, flat and peaked rows, unfiltered and greedy rows in the same batch; and the
+    graph form (static: conditionals instead of host branches) compiles to the same."""
+    from mtpserve.sampling.sampler import CANDIDATES, _sorted_top_k_top_p, logits_to_probs
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 64, 4096
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 8, rows).unsqueeze(1)
+    temperature = torch.rand(rows, generator=gen) + 0.3
+    temperature[7::16] = 0.0
+    top_k = torch.tensor([-1, 5, 50, CANDIDATES, CANDIDATES + 1, 1000, vocab, 1] * 8)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.99, 0.95, 0.8, 0.3, 0.999] * 8)
+    scaled = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(-1)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    want = _sorted_top_k_top_p(None, scaled, (top_k > 0) | (top_p < 1), k, top_p).softmax(-1)
+    greedy = temperature == 0
+    want[greedy] = torch.zeros(int(greedy.sum()), vocab).scatter(1, logits[greedy].argmax(-1, keepdim=True), 1.0)
+    got = logits_to_probs(logits, temperature, top_k, top_p)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want)
+    compiled = torch.compile(lambda *a: logits_to_probs(*a, static=True), fullgraph=True)
+    graph = compiled(logits, temperature, top_k, top_p)
+    assert torch.equal(graph > 0, want > 0)
+    torch.testing.assert_close(graph, want)
+    fit = [r for r in range(rows) if top_k[r] <= CANDIDATES and temperature[r] > 0]
+    graph = compiled(logits[fit], temperature[fit], top_k[fit], top_p[fit])   # the conditional's other branch
+    torch.testing.assert_close(graph, want[fit])
