@@ -153,7 +153,7 @@ def _adaptive(args, path: str) -> dict:
 def _fused(args, path: str) -> dict:
     from mtpserve.bench import fused
     res = fused.run_fused(path, common.parse_list(args.ks), common.parse_list(args.batch_sizes), args.input_len,
-                          args.output_len, args.num_iters, args.dtype, args.temperature)
+                          args.output_len, args.num_iters, args.dtype, args.temperature, args.speculative_config)
     print("\n".join(fused.table(res)))
     return res
 

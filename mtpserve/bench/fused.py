@@ -9,11 +9,13 @@ from mtpserve.bench.latency import build_engine, run_batch
 
 
 def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
-              dtype: str = "auto", temperature: float = 0.0, log=print) -> dict:
+              dtype: str = "auto", temperature: float = 0.0, base_spec: dict | None = None, log=print) -> dict:
+    """base_spec: further speculative_config fields for every MTP engine (e.g. a draft vocabulary)."""
     specs = {"no_mtp": None}
     for k in ks:
-        specs[f"k{k}_separate"] = {"method": "mtp", "num_speculative_tokens": k, "fused_graph_step": False}
-        specs[f"k{k}_fused"] = {"method": "mtp", "num_speculative_tokens": k}
+        spec = {**(base_spec or {}), "method": "mtp", "num_speculative_tokens": k}
+        specs[f"k{k}_separate"] = {**spec, "fused_graph_step": False}
+        specs[f"k{k}_fused"] = spec
     max_batch = max(batch_sizes)
     engines = {name: build_engine(model, spec, max_batch, input_len + output_len, False, dtype,
                                   graph_batch_sizes=batch_sizes) for name, spec in specs.items()}

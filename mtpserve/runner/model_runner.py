@@ -53,9 +53,9 @@ class ModelRunner:
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device) if spec is not None else None
-        # graph mode builds the fused greedy step (spec_decode/fused.py) for a fixed-k MTP run in one process
-        self.builds_fused_step = (self.graphs is not None and dp is None and spec is not None and spec.method == "mtp"
-                                  and spec.fused_graph_step and not spec.adaptive
+        # graph mode builds the fused step (spec_decode/fused.py) for a fixed k in one process
+        self.builds_fused_step = (self.graphs is not None and dp is None and self.proposer is not None
+                                  and self.proposer.fuses_with_verification and spec.fused_graph_step and not spec.adaptive
                                   and spec.synthetic_acceptance is None and spec.scorer == "mqa")
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,

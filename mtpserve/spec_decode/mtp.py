@@ -18,6 +18,7 @@ from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 
 class MTPProposer:
     always_drafts = True
+    fuses_with_verification = True   # graph mode: its drafting runs in the fused step's graph (spec_decode/fused.py)
 
     def __init__(self, spec, model, forward, generator, device, static_shapes: bool = False):
         """forward(what, rows, prev_hidden) runs "mtp{layer}" on rows (graph or eager) -> hidden per token.

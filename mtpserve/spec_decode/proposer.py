@@ -5,6 +5,7 @@ verification of drafts (spec_decode/verify.py) is the same for all of them.
 
     class Proposer(Protocol):
         always_drafts: bool                 # drafts for every request that samples (MTP), or only some (n-gram)
+        fuses_with_verification: bool       # graph mode: verify + draft in one graph (spec_decode/fused.py)
         @classmethod check(model_config, spec)       # refuses a checkpoint it cannot draft for
         @classmethod num_kv_caches(model_config, spec) -> int   # KV caches of its own (per layer it runs)
         @classmethod lookahead_slots(spec) -> int    # KV slots its passes write past the verified tokens
