@@ -169,7 +169,8 @@ class GraphRunner:
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.
         code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")
-        fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__))
+        fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
+                                              step.__closure__))
         start = time.perf_counter()
         # Compile now, and run the warm-up buckets (each one captured on CUDA) with padding rows only: no real
         # KV is touched.
@@ -183,7 +184,8 @@ class GraphRunner:
         return fn, buf
 
     def _sampling_buffers(self, batch: int, k: int) -> list[torch.Tensor]:
-        """The sampled fused step's further inputs, as padding rows keep them: greedy, noise 1, uniform 0."""
+        """The sampled fused step's further inputs, initially what the warm-up's padding rows run with: greedy,
+        noise 1, uniform 0."""
         dev, vocab = self.device, self.model.config.vocab_size
         return [torch.zeros(batch, device=dev), torch.zeros(batch, dtype=torch.long, device=dev),
                 torch.ones(batch, device=dev), torch.ones(batch, 2 * k + 1, vocab, device=dev),

@@ -109,10 +109,10 @@ def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> l
     noise = draw(seeds, positions, 2 * k + 1, vocab_size, "exponential", TARGET_NOISE, generator, device, greedy)
     uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, generator, device, greedy)[..., 0]
     drafts = torch.tensor([r.draft_token_ids for r in reqs], device=device)
-    probabilistic = spec.draft_sampling == "probabilistic"
-    coupled = coupled_rows(drafts if probabilistic else None, "token", [s is not None for s in seeds])
-    return [*sampling_tensors(reqs, None, device), noise, uniforms, torch.tensor(coupled, device=device),
-            stack_draft_probs(reqs, drafts, vocab_size)]
+    draft_probs = stack_draft_probs(reqs, drafts, vocab_size)
+    coupled = coupled_rows(draft_probs if spec.draft_sampling == "probabilistic" else None, "token",
+                           [s is not None for s in seeds])
+    return [*sampling_tensors(reqs, None, device), noise, uniforms, torch.tensor(coupled, device=device), draft_probs]
 
 
 def fused_graph(runner, scheduled) -> str | None:
