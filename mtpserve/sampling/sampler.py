@@ -36,7 +36,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 
 
 # The top-k / top-p filter looks at each row's best CANDIDATES tokens (a partial top-k, ~20x cheaper than sorting
-# a 4096-token vocabulary on the CPU) and sorts whole rows only when some row's kept set may reach past them.
+# a 4096-token vocabulary on the CPU) and sorts a whole row only when its kept set may reach past them (inside a
+# graph: every row, when any row needs it).
 CANDIDATES = 64
 
 
@@ -73,7 +74,8 @@ def _top_k_top_p(scaled: torch.Tensor, filtered: torch.Tensor, top_k: torch.Tens
 
 
 def _sorted_top_k_top_p(kept, scaled, filtered, k, top_p):
-    """The same filter over whole sorted rows (a row whose kept set may reach past the candidates)."""
+    """The same filter over whole sorted rows (a row whose kept set may reach past the candidates). kept: unused
+    (a graph conditional's two branches take the same operands)."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(scaled.shape[-1], device=scaled.device)
     drop = ranks.unsqueeze(0) >= k.unsqueeze(-1)
