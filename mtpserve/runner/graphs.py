@@ -81,7 +81,8 @@ class GraphRunner:
     def run_fused(self, what: str, rows: list[Row], sampling: list[torch.Tensor] | None = None):
         """The fused step on decode rows of 1+k tokens -> (per row the emitted 1+k tokens, the accepted count
         and k next drafts (one host sync); the drafts' distributions [rows, k, V] or None). sampling: the
-        sampled step's further inputs (fused.sampling_inputs), one row per request."""
+        sampled step's further inputs (fused.sampling_inputs, the leading ones of the buffers), one row per
+        request."""
         n, q = len(rows), len(rows[0].token_ids)
         fn, buf = self._graph(what, self.padded_size(n), q)
         inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + 2 * q - 1))

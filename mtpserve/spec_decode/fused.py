@@ -102,17 +102,19 @@ def fused_step(model, main_caches, mtp_cache, block_size: int, batch: int, q: in
 
 def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> list[torch.Tensor]:
     """The sampled fused step's inputs after the first five: per request temperature, top_k, top_p; Exp(1) noise
-    [B, 2k+1, V] for the positions from the pending token on; a uniform per draft [B, k]; which rows verify by
-    coupling [B]; the drafts' distributions [B, k, V] (one-hot for argmax drafts). As the unfused Verifier and
-    MTP drafter draw them: a seeded request's draws keyed on its positions, greedy rows none."""
+    [B, 2k+1, V] for the positions from the pending token on; with sampled drafts also a uniform per draft
+    [B, k], which rows verify by coupling [B] and the drafts' distributions [B, k, V] (argmax drafts verify every
+    row by coupling: the graph reads none of these). As the unfused Verifier and MTP drafter draw them: a seeded
+    request's draws keyed on its positions, greedy rows none."""
     seeds, positions, greedy = [r.seed for r in reqs], [r.num_tokens for r in reqs], [r.params.greedy for r in reqs]
     noise = draw(seeds, positions, 2 * k + 1, vocab_size, "exponential", TARGET_NOISE, generator, device, greedy)
+    inputs = [*sampling_tensors(reqs, None, device), noise]
+    if spec.draft_sampling != "probabilistic":
+        return inputs
     uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, generator, device, greedy)[..., 0]
-    drafts = torch.tensor([r.draft_token_ids for r in reqs], device=device)
-    draft_probs = stack_draft_probs(reqs, drafts, vocab_size)
-    coupled = coupled_rows(draft_probs if spec.draft_sampling == "probabilistic" else None, "token",
-                           [s is not None for s in seeds])
-    return [*sampling_tensors(reqs, None, device), noise, uniforms, torch.tensor(coupled, device=device), draft_probs]
+    draft_probs = stack_draft_probs(reqs, torch.tensor([r.draft_token_ids for r in reqs], device=device), vocab_size)
+    coupled = coupled_rows(draft_probs, "token", [s is not None for s in seeds])
+    return inputs + [uniforms, torch.tensor(coupled, device=device), draft_probs]
 
 
 def fused_graph(runner, scheduled) -> str | None:
