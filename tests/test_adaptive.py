@@ -6,7 +6,8 @@ import torch
 from mtpserve import LLM, SamplingParams
 from mtpserve.spec_decode import adaptive
 from mtpserve.spec_decode.adaptive import AdaptiveK
-from test_spec_decode import exact_joint, prompts_for, trained1  # noqa: F401 (fixture)
+from test_spec_decode import exact_joint, prompts_for, trained1, trained3  # noqa: F401 (fixtures)
+from test_spec_decode import GREEDY
 from tiny_models import random_checkpoint
 
 
@@ -73,12 +74,13 @@ def test_acceptance_counts_only_positions_reached():
     assert c[0] > 0.95 and c[1] < 0.05 and c[2] == prior[2]
 
 
-def cycling(k_max: int):
-    """plan_drafts forcing k = 0, 1, ..., k_max, 0, ... step after step (the switches under test)."""
+def cycling(k_max: int, hold: int = 1):
+    """plan_drafts forcing k = 0, 1, ..., k_max, 0, ... step after step (the switches under test), each k for
+    `hold` steps."""
     steps = iter(range(10**9))
 
     def plan(policy, scheduled):
-        k = next(steps) % (k_max + 1)
+        k = next(steps) // hold % (k_max + 1)
         for s in scheduled:
             s.num_next_drafts = k
         return k
@@ -102,6 +104,52 @@ def test_greedy_and_seeded_identical_while_k_switches(trained1, monkeypatch, tig
     assert sum(m["accepted_per_position"]) == m["num_accepted_tokens"]
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole-prompts", "chunked"])
+def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
+    """3 MTP layers, adaptive up to 3: the depths with a layer of their own chain it as fixed k does, and every
+    step (prompt chunks, and steps drafting fewer depths) runs each own layer to keep its cache whole: with the
+    MTP caches filled with noise first, drafts and acceptance are the same."""
+    from collections import Counter
+    prompts = prompts_for()
+    runs = []
+    for noise in (False, True):
+        kw = {"max_num_batched_tokens": budget} if budget else {}
+        llm = LLM(trained3, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, **kw)
+        runner = llm.engine.runner
+        if noise:
+            gen = torch.Generator().manual_seed(0)
+            for cache in runner.mtp_caches:
+                cache.copy_(torch.randn(cache.shape, generator=gen) * 3)
+        monkeypatch.setattr(adaptive, "plan_drafts", cycling(3))
+        passes, forward = Counter(), runner.proposer.forward
+        runner.proposer.forward = lambda what, *a, **kw: passes.update([what]) or forward(what, *a, **kw)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
+        assert passes["mtp0"] == passes["mtp1"] == passes["mtp2"] > 0   # every step, whatever k it drafts
+    assert runs[0] == runs[1]
+
+
+def test_graph_mode_fused_steps_while_k_switches(trained1, monkeypatch):
+    """Graph mode with adaptive k: a step that keeps the k of the step before runs the fused graph of that k
+    (greedy and sampled), the others the separate graphs; tokens are those of eager without speculation."""
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.5, top_p=0.95, max_tokens=20, ignore_eos=True, seed=7)]
+    prompts = prompts_for()[:4]
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True},
+              enforce_eager=False, graph_batch_sizes=[4], max_model_len=64)
+    plain = LLM(trained1)
+    for each in ([params[0]] * 4, [params[0], params[1]] * 2):
+        base = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=each,
+                                                               use_tqdm=False)]
+        monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=3))
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=each, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == base
+        counts = llm.engine.runner.pass_counts
+        assert counts["fused_sampled" if each[1].seed else "fused"] > 0
+        assert {what for what, _, q in llm.engine.runner.graphs.graphs if what.startswith("fused")} == {
+            "fused", "fused_sampled"}
 
 
 def test_adaptive_engine_picks_and_reports_k(trained1):

@@ -103,12 +103,14 @@ def test_three_mtp_layers(trained3, k):
     assert m["acceptance_rate"] > 0.3
 
 
-@pytest.mark.parametrize("budget", [None, 8], ids=["whole-prompts", "chunked"])
-def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget):
+@pytest.mark.parametrize("budget,alone", [(None, False), (8, False), (8, True)],
+                         ids=["whole-prompts", "chunked", "chunk-only-steps"])
+def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget, alone):
     """3 MTP layers, k=4: the depth past the checkpoint's own layers runs layer 0, and prompt chunks must fill
     the own layers' caches too: every MTP cache slot a pass attends to was written by the model, so drafts (and
-    acceptance) do not depend on what the MTP caches held before (filled with noise here)."""
-    prompts = prompts_for()
+    acceptance) do not depend on what the MTP caches held before (filled with noise here). (alone: one long
+    prompt, so that some steps hold nothing but a prompt chunk.)"""
+    prompts = prompts_for()[2:3] if alone else prompts_for()
     runs = []
     for noise in (False, True):
         kw = {"max_num_batched_tokens": budget} if budget else {}

@@ -58,13 +58,16 @@ class MTPLayer(DecoderLayer):
         self.draft_columns: torch.Tensor | None = None  # TP: the gathered draft columns that are not padding
 
     def forward(self, input_ids, prev_hidden, positions, meta, kv_cache, output_index=None):
-        """output_index (one token per request): only those tokens' outputs are wanted. The others then only
-        write their KV; attention and MoE run for the wanted tokens alone (exact: nothing else reads them)."""
+        """output_index (one token per request, or none): only those tokens' outputs are wanted. The others
+        then only write their KV; attention and MoE run for the wanted tokens alone (exact: nothing else reads
+        them)."""
         x = linear(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1),
                    weight_of(self.eh_proj))
         if output_index is None or kv_cache is None or len(output_index) == x.shape[0]:   # (all wanted)
             return super().forward(x, positions, meta, kv_cache)
         self.self_attn.write_kv(self.input_layernorm(x), positions, meta.slot_mapping, kv_cache)
+        if len(output_index) == 0:   # the KV alone
+            return x[:0]
         return super().forward(x[output_index], positions[output_index], meta.select(output_index), kv_cache)
 
     def logits(self, hidden: torch.Tensor, restricted: bool = False) -> torch.Tensor:

@@ -53,9 +53,10 @@ class ModelRunner:
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device) if spec is not None else None
-        # graph mode builds the fused step (spec_decode/fused.py) for a fixed k in one process
+        # graph mode builds the fused step (spec_decode/fused.py) in one process, for each k a step can verify
+        # and draft (adaptive k: steps that keep the k of the step before)
         self.builds_fused_step = (self.graphs is not None and dp is None and self.proposer is not None
-                                  and self.proposer.fuses_with_verification and spec.fused_graph_step and not spec.adaptive
+                                  and self.proposer.fuses_with_verification and spec.fused_graph_step
                                   and spec.synthetic_acceptance is None and spec.scorer == "mqa")
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
@@ -74,7 +75,7 @@ class ModelRunner:
         if what == "main":
             return self.model(input_ids, positions, meta, self.main_caches)
         layer = int(what.removeprefix("mtp"))
-        index = None if output_index is None else torch.tensor(output_index, device=self.device)
+        index = None if output_index is None else torch.tensor(output_index, dtype=torch.long, device=self.device)
         return self.model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, self.mtp_caches[layer], index)
 
     def warm_up_graphs(self) -> float:
@@ -84,14 +85,15 @@ class ModelRunner:
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
         if self.builds_fused_step:
-            shapes.append(("fused", 1 + self.spec.num_speculative_tokens))
-            if self.spec.verification == "token":   # (block verification keeps the separate graphs)
-                shapes.append(("fused_sampled", 1 + self.spec.num_speculative_tokens))
+            for k in filter(None, verified):
+                shapes.append(("fused", 1 + k))
+                if self.spec.verification == "token":   # (block verification keeps the separate graphs)
+                    shapes.append(("fused_sampled", 1 + k))
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
 
     def _fused_step(self, what: str, scheduled) -> list[StepResult]:
-        k = self.spec.num_speculative_tokens
+        k = len(scheduled[0].draft_token_ids)
         rows = [Row(s.req.all_token_ids[s.start:s.start + 1] + s.draft_token_ids, s.start, s.req.block_ids)
                 for s in scheduled]
         self.pass_counts["main"] += 1
@@ -111,6 +113,8 @@ class ModelRunner:
 
     def _forward_in_step(self, what, rows, prev_hidden, output_index):
         """Data parallel: the forward every rank runs alike (runner/dp_sync.py); no rows: a dummy one."""
+        if output_index is not None and not output_index:   # a KV-only pass would skip the experts' collectives
+            output_index = None
         fits = self.graphs is not None and bool(rows) and self.graphs.fits(what, rows, output_index)
         plan = self.dp.agree(len(output_index) if output_index is not None else sum(len(r.token_ids) for r in rows),
                              self.graphs.padded_size(len(rows)) if fits else 0,

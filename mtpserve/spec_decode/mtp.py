@@ -82,14 +82,16 @@ class MTPProposer:
                 drafting.append(i)
         # A checkpoint with its own layer for depth j+1 runs it as trained: over the same positions as depth 1,
         # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
-        # Graph mode (static shapes) drafts every depth with layer 0, one token per pass (DeepSeek-V3 ships one
-        # layer); its graphs have no chained variant, and a layer it ran only now and then would attend over a
-        # cache it never filled.
-        chain = self._chains()
+        # Its cache must be whole wherever a later step attends, so every step runs each own layer of the chain
+        # (prompt chunks and steps that draft fewer depths too: those only write its KV, unless a deeper own
+        # layer needs its outputs). Graph mode (static shapes) drafts every depth with layer 0, one token per
+        # pass (DeepSeek-V3 ships one layer); its graphs have no chained variant.
+        chain_depth = self._chain_depth()
+        chain = chain_depth > 1
         if prefixes:
             hidden = torch.cat([hidden, torch.stack(prefixes)])
         out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=None if chain else last)
-        if not drafting and not chain:   # prompt chunks only: the pass just filled the MTP cache
+        if not drafting and not chain:   # the pass just filled the MTP cache
             return
         reqs = [scheduled[i].req for i in drafting]
         draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
@@ -106,23 +108,21 @@ class MTPProposer:
             chain_hidden = out[[t for i, n in enumerate(sizes) for t in range(last[i] - n + 1, last[i] + 1)]]
             known = [s.req.all_token_ids + results[i].new_token_ids for i, s in enumerate(scheduled)]
         num_layers = 1 if self.static_shapes else self.model.num_mtp_layers
-        for j in range(1, k):
+        for j in range(1, max(k, chain_depth)):
             layer = j if j < num_layers else 0
             if chain and layer == j:   # depth j+1 at position p: embedding of t[p+j+1], depth j's output at p
-                for i, d in zip(drafting, drafts[-1].tolist() if drafting else []):
-                    known[i] = known[i] + [d]
-                step_rows = [Row(t[r.start + 1 + j:r.start + 1 + j + len(r.token_ids)], r.start, r.block_ids)
-                             for t, r in zip(known, rows)]
-                if any(len(a.token_ids) != len(b.token_ids) for a, b in zip(step_rows, rows)):
-                    raise RuntimeError("MTP chain: a prompt chunk ends too close to the prompt's end "
-                                       "(Scheduler.min_last_chunk)")
-                if j == k - 1:   # the last pass: its KV everywhere, its layer only where the draft is read
-                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=chain_last)[drafting]
-                else:
+                if j <= k:
+                    for i, d in zip(drafting, drafts[j - 1].tolist()):
+                        known[i] = known[i] + [d]
+                step_rows = [self._chain_row(t, r, j, scheduled[i].samples) for i, (t, r) in enumerate(zip(known, rows))]
+                if j + 1 < chain_depth:   # a deeper own layer reads every output of this one
                     chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
                     prev_hidden = chain_hidden[[chain_last[i] for i in drafting]]
-            elif not drafting:
-                return
+                elif j < k:   # the last own layer: its KV everywhere, its outputs only where a draft is read
+                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden,
+                                               output_index=chain_last)[drafting]
+                else:   # not drafted at this depth this step: its KV only
+                    self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=[])
             else:   # a shared layer: one token at the next position, fed the previous pass's last output
                 # (the first depth past a checkpoint's own layers also covers the positions those depths drafted
                 # at, which layer 0's cache holds nothing for yet: as if layer 0 had drafted every depth)
@@ -133,7 +133,7 @@ class MTPProposer:
                 inputs = torch.stack(depth_hidden[-span:], dim=1).flatten(0, 1)
                 outputs = [span * (n + 1) - 1 for n in range(len(drafting))] if span > 1 else None
                 prev_hidden = self.forward(f"mtp{layer}", step_rows, inputs, output_index=outputs)
-            if not drafting:
+            if j >= k:
                 continue
             token, probs = self._draft(layer, prev_hidden, reqs, [p + j for p in draft_positions])
             drafts.append(token)
@@ -150,25 +150,33 @@ class MTPProposer:
             if draft_probs[0] is not None and wanted:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
 
-    def _chains(self) -> bool:
-        """Whether depths run the checkpoint's own layers, chained as trained (eager, fixed k, more than one
-        layer used). Graph mode and adaptive k draft every depth with layer 0: a layer run only now and then
-        would attend over a cache it did not fill."""
+    def _chain_depth(self) -> int:
+        """The depths run with the checkpoint's own layers, chained as trained (eager, more than one layer
+        used): min(k, MTP layers), k the most drafts a step may make; 1 when only layer 0 runs. Graph mode
+        drafts every depth with layer 0."""
         k = self.spec.num_speculative_tokens
-        return not self.static_shapes and not self.spec.adaptive and min(k, self.model.num_mtp_layers) > 1
+        return 1 if self.static_shapes else max(1, min(k, self.model.num_mtp_layers))
+
+    @staticmethod
+    def _chain_row(known: list[int], row: Row, j: int, samples: bool) -> Row:
+        """Own layer j's row: the tokens of `row` shifted by j+1. A request that drafted fewer than j depths
+        this step does not know its last ones: they repeat the last known token (KV only: no draft reads it
+        this step, and a later step reads its KV as the chain would have left it, a guess, deterministic)."""
+        tokens = known[row.start + 1 + j:row.start + 1 + j + len(row.token_ids)]
+        missing = len(row.token_ids) - len(tokens)
+        if missing and not samples:
+            raise RuntimeError("MTP chain: a prompt chunk ends too close to the prompt's end (Scheduler.min_last_chunk)")
+        return Row(tokens + known[-1:] * missing, row.start, row.block_ids)
 
     def num_passes(self, scheduled) -> int:
-        """The MTP passes propose() runs for this step: k when a request drafts (the first pass alone when k
-        is 0); else (prompt chunks only) the first pass, plus the own layers when they are chained."""
-        if any(s.samples for s in scheduled):
-            return max(self.next_k(scheduled), 1)
-        return self.min_last_chunk()
+        """The MTP passes propose() runs for this step: k when a request drafts, and at least the chained own
+        layers (every step runs them, to keep their caches whole); the first pass alone otherwise."""
+        return max(self.next_k(scheduled), self._chain_depth())
 
     def min_last_chunk(self) -> int:
         """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
         known for a chunk only inside the prompt, so the last positions must come with the sampled token."""
-        k = self.spec.num_speculative_tokens
-        return min(k, self.model.num_mtp_layers) if self._chains() else 1
+        return self._chain_depth()
 
     def _draft(self, layer, hidden, reqs, positions):
         """Drafts one token per request, and the distribution it was drawn from over the whole vocabulary.
