@@ -131,25 +131,48 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
     assert runs[0] == runs[1]
 
 
-def test_graph_mode_fused_steps_while_k_switches(trained1, monkeypatch):
-    """Graph mode with adaptive k: a step that keeps the k of the step before runs the fused graph of that k
-    (greedy and sampled), the others the separate graphs; tokens are those of eager without speculation."""
+def recording_drafts(llm) -> list:
+    """(request id, next drafts) of every request in every step the engine runs from now on."""
+    runner, log = llm.engine.runner, []
+    execute = runner.execute
+
+    def recorded(scheduled):
+        results = execute(scheduled)
+        log.extend((s.req.request_id, r.next_drafts) for s, r in zip(scheduled, results))
+        return results
+    runner.execute = recorded
+    return log
+
+
+def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
+    """Graph mode with adaptive k (up to 2, 3 MTP layers: layer 1 chained, its KV written also by steps
+    drafting one token): a step that keeps the k of the step before runs the fused graph of that k (greedy and
+    sampled), the others the separate graphs and eager chained passes. Tokens are those of eager without
+    speculation, and every step's drafts those of eager adaptive with the same choices of k (the graph
+    engine's MTP caches filled with noise first: a slot read before it is written would change them)."""
+    path = random_checkpoint(tmp_path, num_nextn_predict_layers=3)
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=1.5, top_p=0.95, max_tokens=20, ignore_eos=True, seed=7)]
     prompts = prompts_for()[:4]
-    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True},
-              enforce_eager=False, graph_batch_sizes=[4], max_model_len=64)
-    plain = LLM(trained1)
+    spec = {"num_speculative_tokens": 2, "adaptive": True}
+    graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64)
+    eager, plain = LLM(path, speculative_config=spec), LLM(path)
+    gen = torch.Generator().manual_seed(0)
+    for cache in graph.engine.runner.mtp_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen) * 3)
+    drafts = [recording_drafts(eager), recording_drafts(graph)]
     for each in ([params[0]] * 4, [params[0], params[1]] * 2):
-        base = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=each,
-                                                               use_tqdm=False)]
-        monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=3))
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=each, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == base
-        counts = llm.engine.runner.pass_counts
+        runs = []
+        for llm in (plain, eager, graph):
+            monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=3))
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=each, use_tqdm=False)
+            runs.append([o.outputs[0].token_ids for o in outs])
+        assert runs[0] == runs[1] == runs[2]
+        counts = graph.engine.runner.pass_counts
         assert counts["fused_sampled" if each[1].seed else "fused"] > 0
-        assert {what for what, _, q in llm.engine.runner.graphs.graphs if what.startswith("fused")} == {
-            "fused", "fused_sampled"}
+    assert drafts[0] == drafts[1] and len(drafts[0]) > 50
+    assert {what for what, _, q in graph.engine.runner.graphs.graphs if what.startswith("fused")} == {
+        "fused", "fused_sampled"}
 
 
 def test_adaptive_engine_picks_and_reports_k(trained1):

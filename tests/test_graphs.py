@@ -35,29 +35,30 @@ def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec):
 
 
 def test_graph_mode_two_mtp_layers(ckpt2):
-    """A checkpoint with two MTP layers: graph mode drafts every depth with layer 0 (no graph for layer 1),
-    still lossless and accepting."""
+    """A checkpoint with two MTP layers, k=3: the fused step chains layer 1 for depth 2 and drafts depth 3
+    with layer 0 as eager does (the same acceptance at every position); the unfused steps run the chain
+    eagerly (no MTP graph of their own is built)."""
     graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3})
-    assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "mtp0", "fused", "fused_sampled"}
+    assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "fused", "fused_sampled"}
     assert graph.get_metrics()["acceptance_rate"] > 0.3
 
 
 def check_graph_mode(ckpt, spec):
     """Graph mode gives eager's tokens, greedy and seeded sampling (MTP decode steps run fused:
-    spec_decode/fused.py) and, where eager drafts with the same layer (one MTP layer), the same acceptance at
-    every draft position."""
+    spec_decode/fused.py), and the same acceptance at every draft position (the same drafts)."""
     eager = LLM(ckpt, speculative_config=spec, enforce_eager=True)
     graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1, 2, 4], max_model_len=64)
     assert graph.engine.graph_warmup_seconds > 0
     frames_after_warmup = counters["stats"]["unique_graphs"]
     runs = {"graph": 0, "eager": 0}
     graphs = graph.engine.runner.graphs
-    original = graphs.run
+    for name in ("run", "run_fused"):
+        original = getattr(graphs, name)
 
-    def counting_run(*args, **kwargs):
-        runs["graph"] += 1
-        return original(*args, **kwargs)
-    graphs.run = counting_run
+        def counting_run(*args, original=original, **kwargs):
+            runs["graph"] += 1
+            return original(*args, **kwargs)
+        setattr(graphs, name, counting_run)
     for prompts, params in [(PROMPTS[:3], PARAMS[:3]), (PROMPTS, PARAMS), (PROMPTS[:3], SAMPLED)]:
         want = eager.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         got = graph.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -70,8 +71,7 @@ def check_graph_mode(ckpt, spec):
         fused = spec.get("fused_graph_step", True)
         assert (graph.engine.runner.pass_counts["fused"] > 0) == fused
         assert (graph.engine.runner.pass_counts["fused_sampled"] > 0) == fused
-        if eager.engine.model.num_mtp_layers == 1:
-            assert graph.get_metrics()["accepted_per_position"] == eager.get_metrics()["accepted_per_position"]
+        assert graph.get_metrics()["accepted_per_position"] == eager.get_metrics()["accepted_per_position"]
     return graph
 
 

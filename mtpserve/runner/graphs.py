@@ -164,8 +164,8 @@ class GraphRunner:
         if what in ("fused", "fused_sampled"):
             from mtpserve.spec_decode.fused import fused_step
             sampled = what == "fused_sampled"
-            step = fused_step(model, main_caches, mtp_caches[0], self.block_size, batch, q, q - 1, sampled,
-                              self.draft_sampling)
+            step = fused_step(model, main_caches, mtp_caches, self.block_size, batch, q, q - 1, sampled,
+                              self.draft_sampling, len(mtp_caches))
             buf = buf[:5] + (self._sampling_buffers(batch, q - 1) if sampled else [])
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.

@@ -146,7 +146,7 @@ class ModelRunner:
 
     def _finish_dp_step(self) -> None:
         """Data parallel: the MTP passes the busiest rank runs and this one did not, as dummies."""
-        num_layers = 1 if self.graphs is not None else self.model.num_mtp_layers
+        num_layers = self.model.num_mtp_layers
         for j in range(self._passes_run, self._step_passes):
             self.forward(f"mtp{j if j < num_layers else 0}", [])
 

@@ -29,14 +29,15 @@ from mtpserve.spec_decode.verifier import stack_draft_probs
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
 
-def fused_step(model, main_caches, mtp_cache, block_size: int, batch: int, q: int, k_next: int,
-               sampled: bool = False, draft_sampling: str = "greedy"):
+def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: int, k_next: int,
+               sampled: bool = False, draft_sampling: str = "greedy", chain_depth: int = 1):
     """Greedy: step(input_ids, positions, seq_lens, slot_mapping, block_tables) -> ids [batch, q + 1 + k_next]:
     the target's argmax at the q positions, the accepted count, the next drafts. Sampled: the same five inputs,
     then sampling_inputs(), -> (ids: the emitted tokens (-1 past the accepted ones), the accepted count, the
     next drafts; the drafts' distributions [batch, k_next, V], or None for argmax drafts). Padding rows (KV
-    length 0, slot -1, greedy) compute garbage that the caller drops, and write no KV."""
-    device = mtp_cache.device
+    length 0, slot -1, greedy) compute garbage that the caller drops, and write no KV. chain_depth: the depths
+    drafted by the checkpoint's own MTP layers, chained (spec_decode/mtp.py, MTPProposer._chain_depth)."""
+    device = mtp_caches[0].device
     query_start_loc = torch.arange(batch + 1, device=device) * q
     row_start = torch.arange(batch, device=device) * q
     one_token = torch.arange(batch + 1, device=device)
@@ -44,9 +45,9 @@ def fused_step(model, main_caches, mtp_cache, block_size: int, batch: int, q: in
     vocab = model.draft_vocab
     probabilistic = sampled and draft_sampling == "probabilistic"
 
-    def draft(hidden, params, noise):
+    def draft(layer, hidden, params, noise):
         """The next draft of every row; with params (sampled), its distribution over the whole vocabulary."""
-        logits = model.mtp_logits(0, hidden, restricted=True)
+        logits = model.mtp_logits(layer, hidden, restricted=True)
         if not probabilistic:
             token = logits.argmax(-1)
             return (token if vocab is None else vocab[token]), None
@@ -56,6 +57,13 @@ def fused_step(model, main_caches, mtp_cache, block_size: int, batch: int, q: in
             return token, probs
         full = probs.new_zeros(batch, model.config.vocab_size).index_copy(1, vocab, probs)
         return vocab[token], full
+
+    def metadata_at(p, span, real, block_tables, max_seq_len):
+        """`span` tokens per row at positions p[:, 0].. (one row per request; padding rows write nothing)."""
+        block = block_tables.gather(1, p // block_size)
+        slots = torch.where(real.unsqueeze(1), block * block_size + p % block_size, -1).flatten()
+        return AttentionMetadata(one_token * span, torch.where(real, p[:, -1] + 1, 0), slots, block_tables, span,
+                                 max_seq_len)
 
     def step(input_ids, positions, seq_lens, slot_mapping, block_tables, temperature=None, top_k=None, top_p=None,
              noise=None, uniforms=None, coupled=None, draft_probs=None):
@@ -77,21 +85,44 @@ def fused_step(model, main_caches, mtp_cache, block_size: int, batch: int, q: in
             else:   # argmax drafts: every row coupled (verify.py)
                 emitted, accepted = verify_tokens(drafts, None, target, None, noise[:, :q], "token", [True] * batch)
         index = row_start + accepted
-        # the MTP pass reuses the main pass's metadata: the same tokens' positions and slots
-        out = model.mtp_forward(0, emitted.clamp_min(0).flatten(), positions, hidden, meta, mtp_cache, index)
         real = seq_lens > 0
         position = positions[index]
-        next_drafts, next_probs = [], []
-        for j in range(k_next):
-            if j:   # one token at the next position, fed the previous draft and output
-                p = position + j
-                block = block_tables.gather(1, (p // block_size).unsqueeze(1)).squeeze(1)
-                slots = torch.where(real, block * block_size + p % block_size, -1)
-                meta_j = AttentionMetadata(one_token, torch.where(real, p + 1, 0), slots, block_tables, 1, max_seq_len)
-                out = model.mtp_forward(0, next_drafts[-1], p, out, meta_j, mtp_cache)
-            token, probs = draft(out, params, None if noise is None else noise[rows, accepted + 1 + j])
+        next_drafts, next_probs, depth_hidden = [], [], []
+
+        def add_draft(layer, out):
+            j = len(next_drafts)
+            token, probs = draft(layer, out, params, None if noise is None else noise[rows, accepted + 1 + j])
             next_drafts.append(token)
             next_probs.append(probs)
+            depth_hidden.append(out)
+
+        # The MTP passes reuse the main pass's metadata: the same tokens' positions and slots. Own layer j
+        # (chained) reads the tokens shifted by j+1: known[:, i] is the token at position start + i + 1, the
+        # emitted ones then the drafts; past those, the last of them (as spec_decode/mtp.py fills them). A layer
+        # deeper than this step drafts writes its KV only (its cache stays whole).
+        known = torch.cat([emitted.clamp_min(0), emitted.new_zeros(batch, k_next)], dim=1)
+        columns = torch.arange(q, device=device).unsqueeze(0)
+        outs = hidden
+        for j in range(chain_depth):
+            if 0 < j <= k_next:
+                known = known.scatter(1, (accepted + j).unsqueeze(1), next_drafts[-1].unsqueeze(1))
+            tokens = known.gather(1, torch.minimum(columns + j, (accepted + min(j, k_next)).unsqueeze(1)))
+            deepest = j == chain_depth - 1
+            wanted = None if not deepest else index if j < k_next else rows[:0]
+            outs = model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j], wanted)
+            if j < k_next:
+                add_draft(j, outs if deepest else outs[index])
+        out = depth_hidden[-1]
+        for j in range(chain_depth, k_next):   # layer 0 one token further each, fed the previous draft and output
+            # (the first such depth after own layers also covers the positions they drafted at, which layer 0's
+            # cache holds nothing for yet: as in spec_decode/mtp.py)
+            span = j if chain_depth > 1 and j == chain_depth else 1
+            p = position.unsqueeze(1) + torch.arange(j - span + 1, j + 1, device=device)
+            tokens = torch.stack(next_drafts[-span:], dim=1).flatten()
+            inputs = torch.stack(depth_hidden[-span:], dim=1).flatten(0, 1)
+            out = model.mtp_forward(0, tokens, p.flatten(), inputs, metadata_at(p, span, real, block_tables, max_seq_len),
+                                    mtp_caches[0], one_token[1:] * span - 1 if span > 1 else None)
+            add_draft(0, out)
         ids = torch.cat([emitted, accepted.unsqueeze(1), torch.stack(next_drafts, dim=1)], dim=1)
         if not sampled:
             return ids

@@ -7,8 +7,9 @@ last position gives draft 1. Pass j uses MTP layer j if the checkpoint has it, e
 (DeepSeek-V3 ships one, so all passes share it and its cache) runs one token at the next position, fed draft j
 and the previous pass's output hidden state. A layer of its own runs as it was trained: over the same
 positions as pass 0, fed the previous depth's outputs there and the tokens shifted by j+1 (the last one being
-draft j), which also fills its own cache where it belongs. Graph mode uses layer 0 for every depth. Slots
-written past the accepted length are never read before being overwritten.
+draft j), which also fills its own cache where it belongs (every step runs it, so its cache stays whole;
+graph mode too, where the fused step chains it in its graph, spec_decode/fused.py). Slots written past the
+accepted length are never read before being overwritten.
 """
 import torch
 
@@ -42,8 +43,13 @@ class MTPProposer:
         return spec.num_speculative_tokens   # passes 1..k-1 write up to k-1 slots past the verified ones
 
     def graph_shapes(self) -> list[tuple[str, int]]:
-        first = [("mtp0", 1 + v) for v in self.spec.verified_draft_counts]   # 1 + the drafts verified
-        return first + ([("mtp0", 1)] if self.spec.num_speculative_tokens > 1 else [])   # later depths: one token
+        """The unfused steps' graphs: the first pass over 1 + the drafts verified, at the accepted index (with
+        own layers chained it runs eagerly: the chain reads all its outputs), and one-token passes of layer 0
+        for the depths past the own layers."""
+        chained = self._chain_depth() > 1
+        first = [] if chained else [("mtp0", 1 + v) for v in self.spec.verified_draft_counts]
+        shared_depths = self.spec.num_speculative_tokens > self._chain_depth() + chained
+        return first + ([("mtp0", 1)] if shared_depths else [])
 
     def next_k(self, scheduled) -> int:
         """Drafts this step proposes: the most any sampling request asks for (adaptive speculation)."""
@@ -84,8 +90,8 @@ class MTPProposer:
         # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
         # Its cache must be whole wherever a later step attends, so every step runs each own layer of the chain
         # (prompt chunks and steps that draft fewer depths too: those only write its KV, unless a deeper own
-        # layer needs its outputs). Graph mode (static shapes) drafts every depth with layer 0, one token per
-        # pass (DeepSeek-V3 ships one layer); its graphs have no chained variant.
+        # layer needs its outputs). In graph mode only the fused step has the chain in a graph: other steps run
+        # chained passes eagerly.
         chain_depth = self._chain_depth()
         chain = chain_depth > 1
         if prefixes:
@@ -103,11 +109,9 @@ class MTPProposer:
         next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
                     for i in drafting]
         if chain:   # every request's rows, prompt chunks too: they fill the own layers' caches at their positions
-            sizes = [len(r.token_ids) for r in rows]
-            chain_last = (torch.tensor(sizes).cumsum(0) - 1).tolist()
-            chain_hidden = out[[t for i, n in enumerate(sizes) for t in range(last[i] - n + 1, last[i] + 1)]]
+            chain_hidden = out   # (one output per row token, in order: `last` indexes it)
             known = [s.req.all_token_ids + results[i].new_token_ids for i, s in enumerate(scheduled)]
-        num_layers = 1 if self.static_shapes else self.model.num_mtp_layers
+        num_layers = self.model.num_mtp_layers
         for j in range(1, max(k, chain_depth)):
             layer = j if j < num_layers else 0
             if chain and layer == j:   # depth j+1 at position p: embedding of t[p+j+1], depth j's output at p
@@ -117,10 +121,10 @@ class MTPProposer:
                 step_rows = [self._chain_row(t, r, j, scheduled[i].samples) for i, (t, r) in enumerate(zip(known, rows))]
                 if j + 1 < chain_depth:   # a deeper own layer reads every output of this one
                     chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
-                    prev_hidden = chain_hidden[[chain_last[i] for i in drafting]]
+                    prev_hidden = chain_hidden[[last[i] for i in drafting]]
                 elif j < k:   # the last own layer: its KV everywhere, its outputs only where a draft is read
                     prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden,
-                                               output_index=chain_last)[drafting]
+                                               output_index=last)[drafting]
                 else:   # not drafted at this depth this step: its KV only
                     self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=[])
             else:   # a shared layer: one token at the next position, fed the previous pass's last output
@@ -151,11 +155,10 @@ class MTPProposer:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
 
     def _chain_depth(self) -> int:
-        """The depths run with the checkpoint's own layers, chained as trained (eager, more than one layer
-        used): min(k, MTP layers), k the most drafts a step may make; 1 when only layer 0 runs. Graph mode
-        drafts every depth with layer 0."""
+        """The depths run with the checkpoint's own layers, chained as trained: min(k, MTP layers), k the most
+        drafts a step may make; 1 when only layer 0 runs."""
         k = self.spec.num_speculative_tokens
-        return 1 if self.static_shapes else max(1, min(k, self.model.num_mtp_layers))
+        return max(1, min(k, self.model.num_mtp_layers))
 
     @staticmethod
     def _chain_row(known: list[int], row: Row, j: int, samples: bool) -> Row:
