@@ -65,6 +65,25 @@ def test_probes_find_that_speculation_pays_after_a_bad_start():
     assert all(p.choices[k] > 0 for k in cost)
 
 
+def test_probes_time_the_k_they_try():
+    """A probe drafts another k for two steps: the second verifies that k's drafts and drafts as many, the
+    steady step costs are timed on (as the engine's observe does), so a k priced wrongly at start-up is
+    re-timed and then picked."""
+    p = AdaptiveK(2, reached=[1e6] * 2, accepted=[0.9e6] * 2)
+    true_cost = {0: 1.0, 1: 1.1, 2: 1.2}
+    for k, c in true_cost.items():
+        p.observe_step(1, k, c)
+    for _ in range(3):
+        p.observe_step(1, 2, 5.0)   # a noisy start-up calibration
+    previous = None
+    for _ in range(600):
+        k = p.choose(1)
+        if k == previous:           # a steady step: verified k drafts and drafted k
+            p.observe_step(1, k, true_cost[k])
+        previous = k
+    assert p.seconds(1, 2) == pytest.approx(1.2) and p.current == 2
+
+
 def test_acceptance_counts_only_positions_reached():
     p = AdaptiveK(3)
     prior = p.acceptance()

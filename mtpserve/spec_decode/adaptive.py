@@ -7,8 +7,10 @@ E[tokens | k] = 1 + sum_{i=1..k} prod_{j<i} c_j, with c_j the acceptance of draf
 earlier one was accepted, counted (exponentially decayed, from a prior) over the drafts verified so far. The
 seconds per step are the median of the last steps timed at that k and batch size (linear in the batch size
 between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs.
-Every ``PROBE_EVERY`` steps one step drafts another k (in turn), so that the costs and the acceptance of k
-not in use stay measured: without it, a k given up on early (k = 0 verifies nothing) is never reconsidered.
+Every ``PROBE_EVERY`` steps two steps draft another k (in turn), so that the costs and the acceptance of k not
+in use stay measured: without it, a k given up on early (k = 0 verifies nothing) is never reconsidered. (Two:
+the first verifies the old k's drafts; the second, verifying and drafting the probed k, is the steady step a
+cost is timed on.)
 k = 0 is plain decoding (the MTP's first pass still runs, without its head, so that its cache stays whole
 for when drafting resumes). Whatever k is picked, verification is lossless: only the number of drafts changes.
 """
@@ -25,7 +27,8 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 4.0   # before any draft is verified: a gu
 DECAY = 0.995                                # per verified draft: the counts follow a drifting workload
 SWITCH_MARGIN = 0.02                         # keep the current k unless another is 2% better (no flapping)
 TIMED_STEPS = 9                              # step times kept per (k, batch size); their median is the cost
-PROBE_EVERY = 32                             # one step in this many drafts a k other than the best one
+PROBE_EVERY = 32                             # two steps in this many draft a k other than the best one
+PROBE_STEPS = 2
 
 
 @dataclass
@@ -100,7 +103,7 @@ class AdaptiveK:
         self.current = best
         k = best
         self.steps += 1
-        if self.max_k and self.steps % PROBE_EVERY == 0:   # the other k values, in turn
+        if self.max_k and self.steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:   # the other k values, in turn
             k = (best + 1 + (self.steps // PROBE_EVERY) % self.max_k) % (self.max_k + 1)
         self.choices[k] += 1
         return k
@@ -124,10 +127,11 @@ def observe(policy: AdaptiveK, scheduled, results, k: int, seconds: float) -> No
         policy.observe_step(len(scheduled), k, seconds)
 
 
-def calibrate(engine, policy: AdaptiveK, prompt_len: int = 8, max_tokens: int = 5) -> None:
+def calibrate(engine, policy: AdaptiveK, prompt_len: int = 8, max_tokens: int = 8) -> None:
     """Start-up: real decode steps for every k at batch sizes 1 and 16 (up to max_num_seqs), timed by the
-    engine's own step loop (observe), on random prompts; their acceptance, the engine's spec-decode counters and
-    preemption counts are forgotten afterwards."""
+    engine's own step loop (observe), on random prompts, twice: the first round only warms up (the first steps
+    of a fresh engine run slow, and would price the first k tried too high). Their acceptance, the engine's
+    spec-decode counters and preemption counts are forgotten afterwards."""
     import torch
 
     from mtpserve.sampling_params import SamplingParams
@@ -136,19 +140,21 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 8, max_tokens: int = 
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sizes = sorted({1, min(16, engine.max_num_seqs)})
-    for k in range(policy.max_k + 1):
-        for batch in sizes:
-            ids = [f"adaptive-calibration-{k}-{batch}-{i}" for i in range(batch)]
-            policy.forced = k
-            try:
-                for rid in ids:
-                    prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
-                    engine.add_request(rid, None, prompt, params)
-                while engine.has_unfinished_requests():
-                    engine.step()
-            finally:
-                for rid in ids:
-                    engine.abort_request(rid)
+    for timed in (False, True):
+        policy.timed.clear()   # (after the warm-up round: its times)
+        for k in range(policy.max_k + 1):
+            for batch in sizes:
+                ids = [f"adaptive-calibration-{timed:d}-{k}-{batch}-{i}" for i in range(batch)]
+                policy.forced = k
+                try:
+                    for rid in ids:
+                        prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
+                        engine.add_request(rid, None, prompt, params)
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                finally:
+                    for rid in ids:
+                        engine.abort_request(rid)
     policy.forced, policy.current, policy.choices = None, None, [0] * (policy.max_k + 1)
     policy.forget_acceptance()
     engine.spec_metrics = SpecDecodeMetrics(policy.max_k)
