@@ -150,7 +150,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (4 when not given)
     prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
     adaptive: bool = False                   # mtp: k in [0, num_speculative_tokens] chosen each step (spec_decode/adaptive.py)
-    fused_graph_step: bool = True            # graph mode, mtp, greedy: verify + draft in one graph (spec_decode/fused.py)
+    fused_graph_step: bool = True            # graph mode, mtp: verify + accept + draft in one graph (spec_decode/fused.py)
 
     @property
     def verified_draft_counts(self) -> list[int]:
