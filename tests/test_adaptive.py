@@ -1,13 +1,12 @@
 """Adaptive speculation length: the choice (expected tokens per second from acceptance and step costs), and
 losslessness while k switches between 0 and its maximum from step to step."""
 import pytest
-import torch
 
 from mtpserve import LLM, SamplingParams
 from mtpserve.spec_decode import adaptive
 from mtpserve.spec_decode.adaptive import AdaptiveK
-from test_spec_decode import exact_joint, prompts_for, trained1, trained3  # noqa: F401 (fixtures)
-from test_spec_decode import GREEDY
+from test_spec_decode import (GREEDY, exact_joint, fill_mtp_caches_with_noise, prompts_for, trained1,  # noqa: F401
+                              trained3)
 from tiny_models import random_checkpoint
 
 
@@ -138,9 +137,7 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
         llm = LLM(trained3, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, **kw)
         runner = llm.engine.runner
         if noise:
-            gen = torch.Generator().manual_seed(0)
-            for cache in runner.mtp_caches:
-                cache.copy_(torch.randn(cache.shape, generator=gen) * 3)
+            fill_mtp_caches_with_noise(llm)
         monkeypatch.setattr(adaptive, "plan_drafts", cycling(3))
         passes, forward = Counter(), runner.proposer.forward
         runner.proposer.forward = lambda what, *a, **kw: passes.update([what]) or forward(what, *a, **kw)
@@ -176,9 +173,7 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     spec = {"num_speculative_tokens": 2, "adaptive": True}
     graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64)
     eager, plain = LLM(path, speculative_config=spec), LLM(path)
-    gen = torch.Generator().manual_seed(0)
-    for cache in graph.engine.runner.mtp_caches:
-        cache.copy_(torch.randn(cache.shape, generator=gen) * 3)
+    fill_mtp_caches_with_noise(graph)
     drafts = [recording_drafts(eager), recording_drafts(graph)]
     for each in ([params[0]] * 4, [params[0], params[1]] * 2):
         runs = []

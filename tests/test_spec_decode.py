@@ -103,6 +103,13 @@ def test_three_mtp_layers(trained3, k):
     assert m["acceptance_rate"] > 0.3
 
 
+def fill_mtp_caches_with_noise(llm) -> None:
+    """Whatever a pass reads that no pass wrote now changes its drafts."""
+    gen = torch.Generator().manual_seed(0)
+    for cache in llm.engine.runner.mtp_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen) * 3)
+
+
 @pytest.mark.parametrize("budget,alone", [(None, False), (8, False), (8, True)],
                          ids=["whole-prompts", "chunked", "chunk-only-steps"])
 def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget, alone):
@@ -116,9 +123,7 @@ def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget,
         kw = {"max_num_batched_tokens": budget} if budget else {}
         llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 4}, **kw)
         if noise:
-            gen = torch.Generator().manual_seed(0)
-            for cache in llm.engine.runner.mtp_caches:
-                cache.copy_(torch.randn(cache.shape, generator=gen) * 3)
+            fill_mtp_caches_with_noise(llm)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
     assert runs[0] == runs[1]

@@ -108,11 +108,14 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
                 known = known.scatter(1, (accepted + j).unsqueeze(1), next_drafts[-1].unsqueeze(1))
             tokens = known.gather(1, torch.minimum(columns + j, (accepted + min(j, k_next)).unsqueeze(1)))
             deepest = j == chain_depth - 1
-            wanted = None if not deepest else index if j < k_next else rows[:0]
-            outs = model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j], wanted)
-            if j < k_next:
-                add_draft(j, outs if deepest else outs[index])
-        out = depth_hidden[-1]
+            if not deepest:   # the next own layer reads every output
+                outs = model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j])
+                if j < k_next:
+                    add_draft(j, outs[index])
+            elif j < k_next:   # the last own layer at the accepted index
+                add_draft(j, model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j], index))
+            else:
+                model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j], rows[:0])
         for j in range(chain_depth, k_next):   # layer 0 one token further each, fed the previous draft and output
             # (the first such depth after own layers also covers the positions they drafted at, which layer 0's
             # cache holds nothing for yet: as in spec_decode/mtp.py)
