@@ -233,3 +233,4 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None            # None: a free port (single node)
     quantization: str | None = None           # "fp8": FP8 weights in memory; "none": dequantize; None: the checkpoint's
+    overlap: bool = False                     # a model thread runs each step while the engine finishes the one before

@@ -27,11 +27,13 @@ def ckpt2(tmp_path_factory):
     return trained_checkpoint(tmp_path_factory.mktemp("graphs2"), num_mtp_layers=2)
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2},
-                                  {"method": "mtp", "num_speculative_tokens": 2, "fused_graph_step": False}],
-                         ids=["plain", "mtp-k2", "mtp-k2-unfused"])
-def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec):
-    check_graph_mode(ckpt, spec)
+@pytest.mark.parametrize("spec, overlap", [
+    (None, False), ({"method": "mtp", "num_speculative_tokens": 2}, True),
+    ({"method": "mtp", "num_speculative_tokens": 2, "fused_graph_step": False}, False)],
+    ids=["plain", "mtp-k2-overlap", "mtp-k2-unfused"])
+def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec, overlap):
+    """(With overlap, the graphs built at start-up run on the model thread.)"""
+    check_graph_mode(ckpt, spec, overlap)
 
 
 def test_graph_mode_two_mtp_layers(ckpt2):
@@ -43,11 +45,12 @@ def test_graph_mode_two_mtp_layers(ckpt2):
     assert graph.get_metrics()["acceptance_rate"] > 0.3
 
 
-def check_graph_mode(ckpt, spec):
+def check_graph_mode(ckpt, spec, overlap=False):
     """Graph mode gives eager's tokens, greedy and seeded sampling (MTP decode steps run fused:
     spec_decode/fused.py), and the same acceptance at every draft position (the same drafts)."""
     eager = LLM(ckpt, speculative_config=spec, enforce_eager=True)
-    graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1, 2, 4], max_model_len=64)
+    graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1, 2, 4], max_model_len=64,
+                overlap=overlap)
     assert graph.engine.graph_warmup_seconds > 0
     frames_after_warmup = counters["stats"]["unique_graphs"]
     runs = {"graph": 0, "eager": 0}

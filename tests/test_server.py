@@ -59,7 +59,7 @@ def server(ckpt, tmp_path_factory):
     args = ["mtpserve.serve.openai_api", "--model", ckpt, "--port", str(port),
             "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4",
             "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "96", "--enforce-eager",
-            "--api-key", API_KEY]
+            "--api-key", API_KEY, "--overlap"]   # (the engine without overlap: every other test)
     url = f"http://127.0.0.1:{port}"
     with server_process(args, url, tmp_path_factory.mktemp("server_log") / "server.log"):
         yield url

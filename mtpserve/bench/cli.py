@@ -46,6 +46,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     fu.add_argument("--batch-sizes", default="1,8", help="comma list")
     fu.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: seeded sampling requests (the same tokens with and without MTP) instead of greedy")
+    ov = sub.add_parser("overlap", help="overlap (a model thread) on vs off, side by side")
+    _common(ov)
+    ov.add_argument("--ks", default="0,1", help="comma list of num_speculative_tokens, 0 = no MTP")
+    ov.add_argument("--batch-sizes", default="1,8,32", help="comma list")
+    ov.add_argument("--modes", default="eager,graph", help="comma list of eager,graph")
     tp = sub.add_parser("throughput", help="many prompts offline: tokens/s and requests/s")
     _common(tp, 32, 64)
     tp.add_argument("--max-num-seqs", type=int, default=64)
@@ -155,6 +160,15 @@ def _fused(args, path: str) -> dict:
     res = fused.run_fused(path, common.parse_list(args.ks), common.parse_list(args.batch_sizes), args.input_len,
                           args.output_len, args.num_iters, args.dtype, args.temperature, args.speculative_config)
     print("\n".join(fused.table(res)))
+    return res
+
+
+def _overlap(args, path: str) -> dict:
+    from mtpserve.bench import overlap
+    res = overlap.run_overlap(path, common.parse_list(args.ks), common.parse_list(args.batch_sizes),
+                              common.parse_list(args.modes, str), args.input_len, args.output_len, args.num_iters,
+                              args.dtype)
+    print("\n".join(overlap.table(res)))
     return res
 
 

@@ -31,7 +31,8 @@ def config_name(k: int, scorer: str, mode: str | None = None, draft_vocab: int =
 
 
 def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, enforce_eager: bool, dtype: str,
-                 block_size: int = 16, graph_batch_sizes: list[int] | None = None, tensor_parallel_size: int = 1):
+                 block_size: int = 16, graph_batch_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
+                 overlap: bool = False):
     from mtpserve.engine.engine import LLMEngine
     k = spec["num_speculative_tokens"] if spec else 0
     blocks = max_batch * (-(-(max_len + k + 1) // block_size)) + 8
@@ -40,7 +41,7 @@ def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, en
     return LLMEngine.from_kwargs(model=model, speculative_config=spec, max_num_seqs=max_batch,
                                  max_num_batched_tokens=max(2048, max_batch * max_len), max_model_len=max_len + k + 8,
                                  num_kv_blocks=blocks, block_size=block_size, enforce_eager=enforce_eager, dtype=dtype,
-                                 tensor_parallel_size=tensor_parallel_size, **graphs)
+                                 tensor_parallel_size=tensor_parallel_size, overlap=overlap, **graphs)
 
 
 def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b", temperature: float = 0.0) -> dict:

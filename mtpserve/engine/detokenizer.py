@@ -5,18 +5,19 @@ from mtpserve.engine.request import Request
 CONTEXT_TOKENS = 5
 
 
-def detokenize_incrementally(tokenizer, req: Request) -> str:
-    """Appends the text of req's newest output tokens to req.text; returns the new text."""
+def detokenize_incrementally(tokenizer, req: Request, end: int | None = None) -> str:
+    """Appends the text of req's output tokens up to `end` (default: all) to req.text; returns the new text."""
     if tokenizer is None:
         return ""
     ids = req.output_token_ids
+    end = len(ids) if end is None else end
     skip = req.params.skip_special_tokens
     prefix = tokenizer.decode(ids[req.detok_prefix_offset:req.detok_read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[req.detok_prefix_offset:], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[req.detok_prefix_offset:end], skip_special_tokens=skip)
     if full.endswith("\ufffd") or len(full) <= len(prefix):
         return ""   # an incomplete UTF-8 sequence: wait for the next token
     new_text = full[len(prefix):]
     req.text += new_text
-    req.detok_read_offset = len(ids)
-    req.detok_prefix_offset = max(0, len(ids) - CONTEXT_TOKENS)
+    req.detok_read_offset = end
+    req.detok_prefix_offset = max(0, end - CONTEXT_TOKENS)
     return new_text

@@ -12,11 +12,13 @@ PrefillHandoff = Handoff
 
 
 def single_process(engine: LLMEngine) -> None:
-    """Hand-offs move one process's KV cache: refused under tensor or data parallelism."""
+    """Hand-offs move one process's KV cache between steps: refused under tensor or data parallelism and overlap."""
     for name in ("data_parallel_size", "tensor_parallel_size"):
         if getattr(engine.config, name) != 1:
             raise ValueError(f"{name} = {getattr(engine.config, name)}: disaggregated prefill/decode moves one "
                              f"process's KV cache; use {name} = 1")
+    if engine.config.overlap:   # (an import would take blocks that the step in flight may still write)
+        raise ValueError("overlap: disaggregated prefill/decode moves KV between steps; turn overlap off")
 
 
 def prefill(engine: LLMEngine, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,

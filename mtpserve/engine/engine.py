@@ -1,14 +1,18 @@
 """The engine loop: schedule -> execute -> update (DESIGN.md section 2)."""
+import copy
+import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from mtpserve.config import EngineConfig
 from mtpserve.engine.detokenizer import detokenize_incrementally
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, request_seed
-from mtpserve.engine.scheduler import Scheduler
+from mtpserve.engine.scheduler import ScheduledRequest, Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
@@ -26,6 +30,24 @@ def load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass
+class Flight:
+    """A step handed to the model: what was scheduled, the k it drafts (adaptive k), its (results, seconds)."""
+    scheduled: list[ScheduledRequest]
+    k_next: int | None
+    results: Future
+
+
+def snapshot(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The scheduled requests as a step reads them, copied (the lists the engine changes in place included)."""
+    copies = []
+    for s in scheduled:
+        req = copy.copy(s.req)
+        req.output_token_ids, req.block_ids = list(req.output_token_ids), list(req.block_ids)
+        copies.append(dataclasses.replace(s, req=req, draft_token_ids=list(s.draft_token_ids)))
+    return copies
 
 
 class LLMEngine:
@@ -65,6 +87,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.children: dict[str, list[Request]] = {}
         self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
+        # overlap: steps run on a model thread; the engine finishes one step's outputs (and the caller handles
+        # them) while the next runs. Scheduling still waits for the step before: its tokens are the next inputs.
+        self.overlap = cfg.overlap
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="mtpserve-model") if cfg.overlap else None
+        self._in_flight: Flight | None = None
         if self.adaptive is not None:
             adaptive.calibrate(self, self.adaptive)
 
@@ -78,7 +105,10 @@ class LLMEngine:
         return cls(engine_config(*args, **kwargs))
 
     def shutdown(self) -> None:
-        """Stops worker processes (tensor parallelism); the engine cannot run after this."""
+        """Stops the model thread (overlap) and worker processes (tensor parallelism); the engine cannot run
+        after this."""
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=True)
         self.executor.shutdown()
 
     def check_health(self) -> None:
@@ -151,50 +181,71 @@ class LLMEngine:
         return self.scheduler.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Runs a step and returns the outputs of the requests it advanced. With overlap the step runs on the
+        model thread, and the outputs returned are the step before's, finished (detokenised, stop strings
+        checked) while this one runs."""
+        done = self._collect() if self._in_flight is not None else None
+        self._in_flight = self._launch()
+        if not self.overlap and self._in_flight is not None:
+            done = self._collect()
+        return self._finish_outputs(*done) if done else []
+
+    def _launch(self) -> Flight | None:
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            return None
         now = time.monotonic()
         self.num_padded_handoff_steps += any(s.req.placeholder_drafts for s in scheduled)
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
         k_next = adaptive.plan_drafts(self.adaptive, scheduled) if self.adaptive is not None else None
+        if self._model_thread is None:
+            results = Future()
+            results.set_result(self._execute_timed(scheduled))
+        else:   # the step reads copies: the engine changes the requests while it runs
+            results = self._model_thread.submit(self._execute_timed, snapshot(scheduled))
+        return Flight(scheduled, k_next, results)
+
+    def _execute_timed(self, scheduled) -> tuple[list, float]:
         start = time.perf_counter()
         results = self._execute_isolating(scheduled)
+        return results, time.perf_counter() - start
+
+    def _collect(self) -> tuple[list[str], list[tuple[Request, int]]]:
+        """Applies the step in flight's results as far as the next schedule needs them (tokens, drafts, stops on
+        token ids and lengths). Returns the parents it advanced and, per request that sampled, its new tokens."""
+        flight, self._in_flight = self._in_flight, None
+        results, seconds = flight.results.result()
         if self.adaptive is not None:
-            adaptive.observe(self.adaptive, scheduled, results, k_next, time.perf_counter() - start)
+            adaptive.observe(self.adaptive, flight.scheduled, results, flight.k_next, seconds)
+        # (overlap) finished while the step ran, by an abort or a stop string in the step before: results dropped
+        finished_before = [s.req.is_finished for s in flight.scheduled]
         now = time.monotonic()
-        progressed = []
-        for s, r in zip(scheduled, results):
+        progressed, appended = [], []
+        for s, r, gone in zip(flight.scheduled, results, finished_before):
             req = s.req
+            if gone:
+                continue
             if isinstance(r, Exception) or req.is_finished:   # (a sibling failed this step)
                 self._fail(req, r, now)
             elif not s.samples:
                 req.num_computed_tokens += s.num_new_tokens
             else:
-                try:
-                    self._update(req, r, now)
-                except Exception as e:   # (detokenisation, stop checks): this request's fault, not the others'
-                    self._fail(req, e, now)
+                appended.append((req, self._commit(req, r, now)))
             if req.parent_id not in progressed:
                 progressed.append(req.parent_id)
-        if self.spec_metrics is not None:
-            self.spec_metrics.maybe_log()
-        outputs = [self._output(pid) for pid in progressed]
-        for out in outputs:
-            if out.finished:
-                self._forget(out.request_id)
-        return outputs
+        return progressed, appended
 
-    def _update(self, req: Request, r, now: float) -> None:
+    def _commit(self, req: Request, r, now: float) -> int:
+        """Takes a step's tokens and drafts for req; returns how many tokens it appended."""
         req.num_computed_tokens = req.num_tokens + len(r.new_token_ids) - 1
         if r.num_drafts and self.spec_metrics is not None:
             self.spec_metrics.record(r.num_drafts, r.num_accepted)
-        self._append_tokens(req, r.new_token_ids)
+        num_appended = self._append_tokens(req, r.new_token_ids)
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.last_token_time = now
         req.draft_token_ids = r.next_drafts or []
@@ -204,6 +255,23 @@ class LLMEngine:
             req.last_hidden = r.last_hidden
         if req.is_finished:
             req.metrics.finished_time = now
+        return num_appended
+
+    def _finish_outputs(self, progressed: list[str], appended: list[tuple[Request, int]]) -> list[RequestOutput]:
+        now = time.monotonic()
+        for req, num_new in appended:
+            if req.error is None:   # (else: failed with a sibling)
+                try:
+                    self._detokenize(req, num_new, now)
+                except Exception as e:   # (detokenisation, stop strings): this request's fault, not the others'
+                    self._fail(req, e, now)
+        if self.spec_metrics is not None:
+            self.spec_metrics.maybe_log()
+        outputs = [self._output(pid) for pid in progressed]
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs
 
     def _execute_isolating(self, scheduled) -> list:
         """The step's results; if the step raises, the batch is split in halves and each half re-run, down to
@@ -232,21 +300,41 @@ class LLMEngine:
                 sibling.metrics.finished_time = now
         req.error = req.error or "a sibling completion failed"
 
-    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
-        """Appends accepted tokens one at a time, stopping at EOS, stop ids, stop strings or max_tokens."""
+    def _append_tokens(self, req: Request, tokens: list[int]) -> int:
+        """Appends accepted tokens one at a time, stopping at EOS, stop ids or max_tokens; returns how many."""
         p = req.params
-        for t in tokens:
+        for n, t in enumerate(tokens, 1):
             req.output_token_ids.append(t)
-            new_text = detokenize_incrementally(self.tokenizer, req) if self.tokenizer is not None else ""
             if not p.ignore_eos and t in self.eos_token_ids:
-                return self.scheduler.finish(req, "stop")
-            if t in p.stop_token_ids:
+                self.scheduler.finish(req, "stop")
+            elif t in p.stop_token_ids:
                 req.stop_reason = t
-                return self.scheduler.finish(req, "stop")
-            if new_text and p.stop and self._hit_stop_string(req, len(new_text)):
-                return self.scheduler.finish(req, "stop")
-            if len(req.output_token_ids) >= req.max_tokens:
-                return self.scheduler.finish(req, "length")
+                self.scheduler.finish(req, "stop")
+            elif len(req.output_token_ids) >= req.max_tokens:
+                self.scheduler.finish(req, "length")
+            else:
+                continue
+            return n
+        return len(tokens)
+
+    def _detokenize(self, req: Request, num_new: int, now: float) -> None:
+        """Detokenises req's newest tokens one at a time. A stop string ends the request at the token that
+        completes it (unless that token ended it already: EOS or a stop id), and the tokens after it go."""
+        if self.tokenizer is None:
+            return
+        total = len(req.output_token_ids)
+        stopped_by_id = req.finish_reason == "stop"   # (at its last token)
+        for end in range(total - num_new + 1, total + 1):
+            new_text = detokenize_incrementally(self.tokenizer, req, end)
+            if not new_text or not req.params.stop or (end == total and stopped_by_id):
+                continue
+            if self._hit_stop_string(req, len(new_text)):
+                del req.output_token_ids[end:]
+                req.finish_reason = "stop"   # (over "length")
+                if not req.is_finished:
+                    self.scheduler.finish(req, "stop")
+                req.metrics.finished_time = now
+                return
 
     def _hit_stop_string(self, req: Request, new_len: int) -> bool:
         longest = max(len(s) for s in req.params.stop)

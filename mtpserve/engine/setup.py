@@ -47,6 +47,9 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
     launch = Launch.from_torchrun_env(tp.size * cfg.data_parallel_size) or Launch(
         tp.size * cfg.data_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
     launch.validate()
+    if cfg.overlap and launch.world_size > 1:
+        raise ValueError(f"overlap: one process only ({launch.world_size} ranks asked for); turn it off for tensor "
+                         "or data parallelism")
     if launch.world_size > 1:
         check_devices(device.type, launch)
         with torch.device("meta"):   # a shard that does not divide is refused here, before any process starts
