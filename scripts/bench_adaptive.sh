@@ -15,17 +15,20 @@ fi
 # Serving: every configuration's server up at once (an idle one costs nothing), the clients interleaved in
 # rounds (each round runs every configuration at every concurrency), so that a slow minute on this shared
 # machine hits all of them; each configuration's TPOT is its median over the rounds.
-SPECS="none mtp_k1 mtp_k2 mtp_k3 adaptive_k3"
+# (a configuration ending in _overlap runs its server with --overlap, e.g. SPECS="... adaptive_k3_overlap")
+SPECS=${SPECS:-"none mtp_k1 mtp_k2 mtp_k3 adaptive_k3"}
 ROUNDS=${ROUNDS:-3}
 servers=()
 trap 'kill "${servers[@]}" 2> /dev/null || true' EXIT
 port=18124
 for spec in $SPECS; do
   extra=()
-  case $spec in
-    mtp_k*) extra=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${spec#mtp_k}}") ;;
-    adaptive_k*) extra=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${spec#adaptive_k}, \"adaptive\": true}") ;;
+  base=${spec%_overlap}
+  case $base in
+    mtp_k*) extra=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${base#mtp_k}}") ;;
+    adaptive_k*) extra=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${base#adaptive_k}, \"adaptive\": true}") ;;
   esac
+  [ "$base" != "$spec" ] && extra+=(--overlap)
   mtpserve serve --port $port --max-num-seqs 32 --enforce-eager "${extra[@]}" > /tmp/bench_adaptive_server_$spec.log 2>&1 &
   servers+=($!)
   for _ in $(seq 1 240); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 0.5; done
@@ -44,15 +47,20 @@ done
 SPECS="$SPECS" ROUNDS="$ROUNDS" python - <<'PY'
 import json, os, statistics
 specs, rounds = os.environ["SPECS"].split(), int(os.environ["ROUNDS"])
-fixed = [s for s in specs if not s.startswith("adaptive")]
-ada = next(s for s in specs if s.startswith("adaptive"))
+fixed = [s for s in specs if not s.startswith("adaptive") and not s.endswith("_overlap")]
+ada = next(s for s in specs if s.startswith("adaptive") and not s.endswith("_overlap"))
 print(f"TPOT median ms, median over {rounds} interleaved rounds")
 print("| concurrency | " + " | ".join(specs) + " | adaptive vs none | adaptive vs best fixed |")
 print("|---" * (len(specs) + 3) + "|")
+tpot_at = {}
 for c in (1, 4, 16, 32):
-    tpot = {s: statistics.median(json.load(open(f"docs/bench_results/serve_adaptive_{s}_c{c}_r{r}.json"))
+    tpot = tpot_at[c] = {s: statistics.median(json.load(open(f"docs/bench_results/serve_adaptive_{s}_c{c}_r{r}.json"))
                                  ["results"]["tpot_ms"]["median"] for r in range(1, rounds + 1)) for s in specs}
     best = min(fixed, key=tpot.get)
     print(f"| {c} | " + " | ".join(f"{tpot[s]:.1f}" for s in specs) +
           f" | {tpot['none'] / tpot[ada]:.2f}x | {tpot[best] / tpot[ada]:.2f}x ({best}) |")
+for s in specs:
+    if s.endswith("_overlap") and s.removesuffix("_overlap") in specs:
+        ratios = [tpot_at[c][s.removesuffix("_overlap")] / tpot_at[c][s] for c in (1, 4, 16, 32)]
+        print(f"{s}: TPOT without / with overlap at concurrency 1/4/16/32: " + " / ".join(f"{r:.3f}" for r in ratios))
 PY

@@ -83,6 +83,14 @@ def test_probes_time_the_k_they_try():
     assert p.seconds(1, 2) == pytest.approx(1.2) and p.current == 2
 
 
+def test_probes_try_the_neighbouring_k():
+    """With k = 2 best of 0..3, the probes draft 3 and 1 in turn, never 0 (its one token per step is known)."""
+    p = policy_with([0.8, 0.6, 0.1], {0: {1: 1.0}, 1: {1: 1.1}, 2: {1: 1.2}, 3: {1: 1.3}})
+    picked = [p.choose(1) for _ in range(4 * adaptive.PROBE_EVERY)]
+    assert p.current == 2 and set(picked) == {1, 2, 3} and picked.count(1) == picked.count(3) > 0
+    assert "k = 2 at batch 1" in adaptive.describe(p, 1)
+
+
 def test_acceptance_counts_only_positions_reached():
     p = AdaptiveK(3)
     prior = p.acceptance()
@@ -120,6 +128,8 @@ def test_greedy_and_seeded_identical_while_k_switches(trained1, monkeypatch, tig
     m = llm.get_metrics()
     assert 0 < m["num_accepted_tokens"] <= m["num_draft_tokens"]
     assert sum(m["accepted_per_position"]) == m["num_accepted_tokens"]
+    drafted = m["drafted_per_position"]   # (per-position acceptance divides by these: k varies)
+    assert sum(drafted) == m["num_draft_tokens"] and drafted[0] == m["num_drafts"] > drafted[1] > drafted[2] > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -163,7 +173,7 @@ def recording_drafts(llm) -> list:
 def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     """Graph mode with adaptive k (up to 2, 3 MTP layers: layer 1 chained, its KV written also by steps
     drafting one token): a step that keeps the k of the step before runs the fused graph of that k (greedy and
-    sampled), the others the separate graphs and eager chained passes. Tokens are those of eager without
+    sampled; k = 0 too), the others the separate graphs and eager chained passes. Tokens are those of eager without
     speculation, and every step's drafts those of eager adaptive with the same choices of k (the graph
     engine's MTP caches filled with noise first: a slot read before it is written would change them)."""
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=3)
@@ -175,6 +185,12 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     eager, plain = LLM(path, speculative_config=spec), LLM(path)
     fill_mtp_caches_with_noise(graph)
     drafts = [recording_drafts(eager), recording_drafts(graph)]
+    fused_query_lens, run_fused = [], graph.engine.runner.graphs.run_fused
+
+    def recording_run_fused(what, rows, *args):
+        fused_query_lens.append(len(rows[0].token_ids))
+        return run_fused(what, rows, *args)
+    graph.engine.runner.graphs.run_fused = recording_run_fused
     for each in ([params[0]] * 4, [params[0], params[1]] * 2):
         runs = []
         for llm in (plain, eager, graph):
@@ -187,6 +203,7 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     assert drafts[0] == drafts[1] and len(drafts[0]) > 50
     assert {what for what, _, q in graph.engine.runner.graphs.graphs if what.startswith("fused")} == {
         "fused", "fused_sampled"}
+    assert set(fused_query_lens) == {1, 2, 3}   # k = 0 (plain decoding with the MTP KV passes) fused too
 
 
 def test_adaptive_engine_picks_and_reports_k(trained1):

@@ -18,7 +18,6 @@ from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.spec_decode import adaptive
-from mtpserve.spec_decode.adaptive import AdaptiveK
 from mtpserve.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("mtpserve")
@@ -80,7 +79,8 @@ class LLMEngine:
                         len(self.runner.graphs.graphs), cfg.graph_batch_sizes, self.graph_warmup_seconds, cache_dir())
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
-        self.adaptive = AdaptiveK(k) if cfg.speculative and cfg.speculative.adaptive else None
+        self.adaptive = (adaptive.policy(k, self.runner.builds_fused_step)
+                         if cfg.speculative and cfg.speculative.adaptive else None)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -265,8 +265,8 @@ class LLMEngine:
                     self._detokenize(req, num_new, now)
                 except Exception as e:   # (detokenisation, stop strings): this request's fault, not the others'
                     self._fail(req, e, now)
-        if self.spec_metrics is not None:
-            self.spec_metrics.maybe_log()
+        if self.spec_metrics is not None and self.spec_metrics.maybe_log() and self.adaptive is not None:
+            logger.info(adaptive.describe(self.adaptive, len(appended)))
         outputs = [self._output(pid) for pid in progressed]
         for out in outputs:
             if out.finished:

@@ -85,7 +85,7 @@ class ModelRunner:
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
         if self.builds_fused_step:
-            for k in filter(None, verified):
+            for k in verified:   # (adaptive k: 0 too, plain decoding with the MTP layers' KV passes)
                 shapes.append(("fused", 1 + k))
                 if self.spec.verification == "token":   # (block verification keeps the separate graphs)
                     shapes.append(("fused_sampled", 1 + k))
@@ -97,7 +97,7 @@ class ModelRunner:
         rows = [Row(s.req.all_token_ids[s.start:s.start + 1] + s.draft_token_ids, s.start, s.req.block_ids)
                 for s in scheduled]
         self.pass_counts["main"] += 1
-        self.pass_counts["mtp"] += k
+        self.pass_counts["mtp"] += self.proposer.num_passes(scheduled)
         self.pass_counts[what] += 1
         sampling = None
         if what == "fused_sampled":
@@ -107,7 +107,8 @@ class ModelRunner:
         results = []
         for i, out in enumerate(outs):
             accepted = out[1 + k]
-            results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted, next_drafts=out[k + 2:],
+            results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted,
+                                      next_drafts=out[k + 2:] or None,
                                       next_draft_probs=None if probs is None else probs[i]))
         return results
 

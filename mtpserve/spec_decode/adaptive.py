@@ -7,8 +7,9 @@ E[tokens | k] = 1 + sum_{i=1..k} prod_{j<i} c_j, with c_j the acceptance of draf
 earlier one was accepted, counted (exponentially decayed, from a prior) over the drafts verified so far. The
 seconds per step are the median of the last steps timed at that k and batch size (linear in the batch size
 between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs.
-Every ``PROBE_EVERY`` steps two steps draft another k (in turn), so that the costs and the acceptance of k not
-in use stay measured: without it, a k given up on early (k = 0 verifies nothing) is never reconsidered. (Two:
+Every ``probe_every`` steps two steps draft a neighbouring k (one more, one fewer, in turn), so that the costs
+and the acceptance of the k that could overtake the best stay measured: without it, a k given up on early (k = 0
+verifies nothing) is never reconsidered; a k two away is reached through its neighbour. (Two:
 the first verifies the old k's drafts; the second, verifying and drafting the probed k, is the steady step a
 cost is timed on.)
 k = 0 is plain decoding (the MTP's first pass still runs, without its head, so that its cache stays whole
@@ -29,6 +30,9 @@ SWITCH_MARGIN = 0.02                         # keep the current k unless another
 TIMED_STEPS = 9                              # step times kept per (k, batch size); their median is the cost
 PROBE_EVERY = 32                             # two steps in this many draft a k other than the best one
 PROBE_STEPS = 2
+# Graph mode with the fused step: a step that changes k runs outside the fused graph (it verifies one k and
+# drafts another), so there a switch must promise more, and probes (two switches each) come less often.
+FUSED_SWITCH_MARGIN, FUSED_PROBE_EVERY = 0.05, 96
 
 
 @dataclass
@@ -40,7 +44,9 @@ class AdaptiveK:
     current: int | None = None
     forced: int | None = None                             # (calibration) k to use whatever the rates say
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
-    steps: int = 0                                        # choices made (every PROBE_EVERY-th one probes)
+    steps: int = 0                                        # choices made (every probe_every-th one probes)
+    switch_margin: float = SWITCH_MARGIN
+    probe_every: int = PROBE_EVERY
 
     def __post_init__(self):
         if not self.reached:
@@ -98,15 +104,31 @@ class AdaptiveK:
     def choose(self, batch: int) -> int:
         rates = [self.rate(batch, k) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=lambda k: rates[k])
-        if self.current is not None and rates[self.current] * (1 + SWITCH_MARGIN) >= rates[best]:
+        if self.current is not None and rates[self.current] * (1 + self.switch_margin) >= rates[best]:
             best = self.current
         self.current = best
         k = best
         self.steps += 1
-        if self.max_k and self.steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS:   # the other k values, in turn
-            k = (best + 1 + (self.steps // PROBE_EVERY) % self.max_k) % (self.max_k + 1)
+        if self.max_k and self.steps % self.probe_every >= self.probe_every - PROBE_STEPS:
+            neighbours = [n for n in (best + 1, best - 1) if 0 <= n <= self.max_k]   # in turn
+            k = neighbours[self.steps // self.probe_every % len(neighbours)]
         self.choices[k] += 1
         return k
+
+
+def describe(policy: AdaptiveK, batch: int) -> str:
+    """The policy's view at this batch size, for the log."""
+    rates = ", ".join(f"{k}: {policy.rate(batch, k):.0f}" for k in range(policy.max_k + 1))
+    accept = ", ".join(f"{c:.2f}" for c in policy.acceptance())
+    return (f"adaptive speculation: k = {policy.current} at batch {batch}; expected tokens/s by k {{{rates}}}, "
+            f"acceptance by position [{accept}], steps by k {policy.choices}")
+
+
+def policy(max_k: int, fused_step: bool) -> AdaptiveK:
+    """The policy for an engine; fused_step: graph mode runs steps that keep k as one fused graph."""
+    if fused_step:
+        return AdaptiveK(max_k, switch_margin=FUSED_SWITCH_MARGIN, probe_every=FUSED_PROBE_EVERY)
+    return AdaptiveK(max_k)
 
 
 def plan_drafts(policy: AdaptiveK, scheduled) -> int:

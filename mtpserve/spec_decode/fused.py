@@ -126,10 +126,11 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
             out = model.mtp_forward(0, tokens, p.flatten(), inputs, metadata_at(p, span, real, block_tables, max_seq_len),
                                     mtp_caches[0], one_token[1:] * span - 1 if span > 1 else None)
             add_draft(0, out)
-        ids = torch.cat([emitted, accepted.unsqueeze(1), torch.stack(next_drafts, dim=1)], dim=1)
+        drafted = torch.stack(next_drafts, dim=1) if next_drafts else emitted.new_zeros(batch, 0)
+        ids = torch.cat([emitted, accepted.unsqueeze(1), drafted], dim=1)
         if not sampled:
             return ids
-        return ids, (torch.stack(next_probs, dim=1) if probabilistic else None)
+        return ids, (torch.stack(next_probs, dim=1) if probabilistic and next_probs else None)
 
     return step
 
@@ -146,7 +147,8 @@ def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> l
     if spec.draft_sampling != "probabilistic":
         return inputs
     uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, generator, device, greedy)[..., 0]
-    draft_probs = stack_draft_probs(reqs, torch.tensor([r.draft_token_ids for r in reqs], device=device), vocab_size)
+    drafts = torch.tensor([r.draft_token_ids for r in reqs], dtype=torch.long, device=device).view(len(reqs), k)
+    draft_probs = stack_draft_probs(reqs, drafts, vocab_size)
     coupled = coupled_rows(draft_probs, "token", [s is not None for s in seeds])
     return inputs + [uniforms, torch.tensor(coupled, device=device), draft_probs]
 
@@ -154,14 +156,15 @@ def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> l
 def fused_graph(runner, scheduled) -> str | None:
     """The fused graph this step can run as (built when runner.builds_fused_step): "fused" when every request
     is greedy, "fused_sampled" when some sample (token-wise verification); None when some request is not
-    decoding (one pending token plus k drafts, k more wanted: with adaptive k, the k of the step before) or is
-    handed over or held for a hand-off."""
+    decoding (one pending token plus k drafts, k more wanted: with adaptive k, the k of the step before; k = 0,
+    plain decoding, has a graph of its own under adaptive k) or is handed over or held for a hand-off."""
     if not scheduled or not runner.builds_fused_step:
         return None
     k = len(scheduled[0].draft_token_ids)
-    if not k or not all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k
-                        and not s.req.placeholder_drafts and not s.req.hold_kv and s.req.mtp_prefix_hidden is None
-                        and s.num_next_drafts in (None, k) for s in scheduled):
+    wanted = runner.spec.num_speculative_tokens
+    if not all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k
+               and not s.req.placeholder_drafts and not s.req.hold_kv and s.req.mtp_prefix_hidden is None
+               and (wanted if s.num_next_drafts is None else s.num_next_drafts) == k for s in scheduled):
         return None
     what = "fused" if all(s.req.params.greedy for s in scheduled) else "fused_sampled"
     return what if runner.graphs.fits_fused(what, scheduled, k) else None
