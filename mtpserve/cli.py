@@ -29,7 +29,8 @@ def run_generate(args) -> None:
     print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tok/s)")
     if args.speculative_config:
         m = llm.get_metrics()
-        per_pos = ", ".join(f"{a / max(d, 1):.2f}" for a, d in zip(m["accepted_per_position"], m["drafted_per_position"]))
+        per_pos = ", ".join(f"{a / max(d, 1):.2f}"
+                            for a, d in zip(m["accepted_per_position"], m["drafted_per_position"]))
         print(f"speculation: acceptance rate {m['acceptance_rate']:.3f}, "
               f"mean acceptance length {m['mean_acceptance_length']:.2f}, accepted per position [{per_pos}]")
 

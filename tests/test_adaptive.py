@@ -33,6 +33,14 @@ def test_choice_maximises_expected_tokens_per_second():
     assert p.choose(1) == 2
 
 
+def test_costs_beyond_the_measured_sizes_follow_the_widest_span():
+    """Timed at batch 1, 15 and 16 (16 a little faster than 15: noise), a batch of 32 is priced on the line
+    through 1 and 16, not on the falling line through 15 and 16, which priced a big k cheap at high load."""
+    p = policy_with([0.8], {1: {1: 1.0, 15: 2.6, 16: 2.5}})
+    assert p.seconds(32, 1) == pytest.approx(1.0 + 1.5 * 31 / 15)
+    assert p.seconds(8, 1) == pytest.approx(1.0 + 1.6 * 7 / 14)
+
+
 def test_costs_are_medians_so_one_slow_step_does_not_decide():
     p = policy_with([0.8], {0: {1: 1.0}, 1: {1: 1.1}})
     p.observe_step(1, 1, 50.0)   # a step that also paid a one-off cost (first run of a shape, a page fault)

@@ -223,18 +223,21 @@ def test_sampling_is_lossless(tmp_path_factory, spec):
     assert 0.05 < m["acceptance_rate"] < 1.0    # both accept and reject paths were taken
 
 
-def test_fused_sampled_graph_step_is_lossless(tmp_path_factory):
+@pytest.mark.parametrize("spec", [{}, {"verification": "block"}, {"verification": "block", "draft_sampling": "greedy"}],
+                         ids=["token", "block", "block-greedydraft"])
+def test_fused_sampled_graph_step_is_lossless(tmp_path_factory, spec):
     """Graph mode's fused step with sampling requests (spec_decode/fused.py: verification, the next drafts and
     their distributions inside one graph): the first three tokens (the second and third verified, the third's
     draft drawn, in fused steps) follow the exact joint distribution. Half the requests are seeded (coupled
-    verification), half draw from the engine's generator (token-wise rejection sampling), in the same batches."""
+    verification), half draw from the engine's generator (token-wise rejection sampling or block verification),
+    in the same batches."""
     path = peaked_checkpoint(tmp_path_factory.mktemp("v6f"), vocab_size=6, eos_token_id=None, bos_token_id=None)
     prompt = [1, 4, 2]
     params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=3, ignore_eos=True)
     joint = exact_joint(path, prompt, params, 3)
     num = 2048
-    llm = LLM(path, speculative_config={"num_speculative_tokens": 2}, max_num_seqs=64, max_num_batched_tokens=4096,
-              seed=11, enforce_eager=False, graph_batch_sizes=[64], max_model_len=16)
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 2, **spec}, max_num_seqs=64,
+              max_num_batched_tokens=4096, seed=11, enforce_eager=False, graph_batch_sizes=[64], max_model_len=16)
     each = [SamplingParams(**{**vars(params), "seed": i if i % 2 else None}) for i in range(num)]
     outs = []
     for wave in range(0, num, 64):   # (in waves: a decode batch is not mixed with prompts, so it runs fused)
@@ -243,6 +246,9 @@ def test_fused_sampled_graph_step_is_lossless(tmp_path_factory):
     assert llm.engine.runner.pass_counts["fused_sampled"] >= num // 64
     m = llm.get_metrics()
     assert 0.05 < m["acceptance_rate"] < 1.0
+    seeded = each[1:128:2]   # the same tokens as sampling without speculation (eager)
+    plain = LLM(path, max_num_seqs=64).generate(prompt_token_ids=[prompt] * 64, sampling_params=seeded, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in outs[1:128:2]]
 
 
 def test_mtp_output_index_equals_full_pass(random_ckpt):

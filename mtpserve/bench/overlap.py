@@ -32,9 +32,9 @@ def run_overlap(model: str, ks: list[int], batch_sizes: list[int], modes: list[s
             rs = runs[(bs, c)]
             tpots = [x["tpot"] for r in rs for x in r["per_request"] if x["tpot"] is not None]
             off = runs[(bs, (c[0], c[1], False))]
+            tokens_per_s = sum(r["num_output_tokens"] for r in rs) / sum(r["duration"] for r in rs)
             rows.append(dict(batch_size=bs, name=name(c), mode=c[0], k=c[1], overlap=c[2],
-                             tpot_ms=1e3 * common.mean(tpots),
-                             output_tokens_per_s=sum(r["num_output_tokens"] for r in rs) / sum(r["duration"] for r in rs),
+                             tpot_ms=1e3 * common.mean(tpots), output_tokens_per_s=tokens_per_s,
                              same_tokens_as_without_overlap=[r["tokens"] for r in rs] == [r["tokens"] for r in off]))
     by_name = {(r["batch_size"], r["mode"], r["k"], r["overlap"]): r for r in rows}
     for r in rows:

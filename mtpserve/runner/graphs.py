@@ -22,10 +22,10 @@ from mtpserve.runner.batch import Row
 
 class GraphRunner:
     def __init__(self, model, main_caches, mtp_caches, batch_sizes: list[int], block_size: int,
-                 max_span: int, device, draft_sampling: str = "greedy"):
-        """draft_sampling: how the sampled fused step drafts (speculative_config.draft_sampling)."""
+                 max_span: int, device, spec=None):
+        """spec: the speculative config (how the sampled fused step drafts and verifies)."""
         self.model, self.main_caches, self.mtp_caches = model, main_caches, mtp_caches
-        self.draft_sampling = draft_sampling
+        self.spec = spec
         self.batch_sizes = sorted(batch_sizes)
         self.block_size, self.device = block_size, device
         self.max_blocks = -(-max_span // block_size)
@@ -165,7 +165,7 @@ class GraphRunner:
             from mtpserve.spec_decode.fused import fused_step
             sampled = what == "fused_sampled"
             step = fused_step(model, main_caches, mtp_caches, self.block_size, batch, q, q - 1, sampled,
-                              self.draft_sampling, len(mtp_caches))
+                              self.spec.draft_sampling, self.spec.verification, len(mtp_caches))
             buf = buf[:5] + (self._sampling_buffers(batch, q - 1) if sampled else [])
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.

@@ -46,7 +46,7 @@ class ModelRunner:
         self.graphs = None
         if graph_batch_sizes:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
-                                      max_span, device, spec.draft_sampling if spec is not None else "greedy")
+                                      max_span, device, spec)
         self.dp = dp
         self.pass_counts = Counter()   # forwards run: "main", "mtp" and (DP) their dummies
         self._planned_passes = self._passes_run = self._step_passes = 0
@@ -86,9 +86,7 @@ class ModelRunner:
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
         if self.builds_fused_step:
             for k in verified:   # (adaptive k: 0 too, plain decoding with the MTP layers' KV passes)
-                shapes.append(("fused", 1 + k))
-                if self.spec.verification == "token":   # (block verification keeps the separate graphs)
-                    shapes.append(("fused_sampled", 1 + k))
+                shapes += [("fused", 1 + k), ("fused_sampled", 1 + k)]
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
 

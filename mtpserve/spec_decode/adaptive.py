@@ -83,19 +83,24 @@ class AdaptiveK:
         return total
 
     def seconds(self, batch: int, k: int) -> float | None:
-        """Step seconds at this batch size: measured, or interpolated linearly between measured sizes
-        (extrapolated from the nearest two beyond them)."""
-        table = {b: statistics.median(t) for b, t in (self.timed.get(k) or {}).items()}
-        if batch in table:
-            return table[batch]
-        sizes = sorted(table)
+        """Step seconds at this batch size: measured, or interpolated linearly between the nearest measured
+        sizes; outside them, extrapolated along the line through the smallest and the largest measured size
+        (two neighbouring sizes, say 15 and 16, would let their noise set the slope, even a falling one)."""
+        by_batch = self.timed.get(k) or {}
+        if batch in by_batch:
+            return statistics.median(by_batch[batch])
+        sizes = sorted(by_batch)
         if not sizes:
             return None
         if len(sizes) == 1:
-            return table[sizes[0]]
-        i = min(max(bisect.bisect_left(sizes, batch), 1), len(sizes) - 1)
-        lo, hi = sizes[i - 1], sizes[i]
-        return max(table[lo] + (table[hi] - table[lo]) * (batch - lo) / (hi - lo), 1e-9)
+            return statistics.median(by_batch[sizes[0]])
+        if sizes[0] < batch < sizes[-1]:
+            i = bisect.bisect_left(sizes, batch)
+            lo, hi = sizes[i - 1], sizes[i]
+        else:
+            lo, hi = sizes[0], sizes[-1]
+        s_lo, s_hi = statistics.median(by_batch[lo]), statistics.median(by_batch[hi])
+        return max(s_lo + (s_hi - s_lo) * (batch - lo) / (hi - lo), 1e-9)
 
     def rate(self, batch: int, k: int) -> float:
         s = self.seconds(batch, k)

@@ -8,8 +8,9 @@ host sync at the end:
 
     hidden   = main model over the 1+k tokens                                       (writes main KV)
     target   = greedy: the LM head's argmax at each of the 1+k positions; sampled: the requests' distributions
-    accepted = greedy: leading drafts equal to the argmax; sampled: token-wise rejection sampling (coupled for
-               seeded requests and argmax drafts), spec_decode/verify.py, then the recovered or bonus token
+    accepted = greedy: leading drafts equal to the argmax; sampled: token-wise rejection sampling or block
+               verification (coupled for seeded requests, and for argmax drafts token-wise),
+               spec_decode/verify.py, then the recovered or bonus token
     MTP layer 0 over the 1+k positions, fed the emitted tokens as the next tokens (equal to the drafts where
              accepted, the extra token at the accepted index), run at the accepted index     (writes MTP KV)
     draft 1  = the draft head's argmax, or a draw from its distribution; drafts 2..k: layer 0 one token further
@@ -30,7 +31,8 @@ from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
 
 def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: int, k_next: int,
-               sampled: bool = False, draft_sampling: str = "greedy", chain_depth: int = 1):
+               sampled: bool = False, draft_sampling: str = "greedy", verification: str = "token",
+               chain_depth: int = 1):
     """Greedy: step(input_ids, positions, seq_lens, slot_mapping, block_tables) -> ids [batch, q + 1 + k_next]:
     the target's argmax at the q positions, the accepted count, the next drafts. Sampled: the same five inputs,
     then sampling_inputs(), -> (ids: the emitted tokens (-1 past the accepted ones), the accepted count, the
@@ -81,9 +83,12 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
             per_token = [t.repeat_interleave(q) for t in params]
             target = logits_to_probs(logits, *per_token, static=True).view(batch, q, -1)
             if probabilistic:
-                emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], "token", coupled)
-            else:   # argmax drafts: every row coupled (verify.py)
+                emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], verification,
+                                                  coupled)
+            elif verification == "token":   # argmax drafts: every row coupled (verify.py)
                 emitted, accepted = verify_tokens(drafts, None, target, None, noise[:, :q], "token", [True] * batch)
+            else:   # argmax drafts, block verification: seeded rows coupled, the others need uniforms
+                emitted, accepted = verify_tokens(drafts, None, target, uniforms, noise[:, :q], "block", coupled)
         index = row_start + accepted
         real = seq_lens > 0
         position = positions[index]
@@ -138,24 +143,27 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
 def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> list[torch.Tensor]:
     """The sampled fused step's inputs after the first five: per request temperature, top_k, top_p; Exp(1) noise
     [B, 2k+1, V] for the positions from the pending token on; with sampled drafts also a uniform per draft
-    [B, k], which rows verify by coupling [B] and the drafts' distributions [B, k, V] (argmax drafts verify every
-    row by coupling: the graph reads none of these). As the unfused Verifier and MTP drafter draw them: a seeded
+    [B, k], which rows verify by coupling [B] and the drafts' distributions [B, k, V]; with argmax drafts none of
+    these under token-wise verification (every row coupled), the uniforms and the coupled rows under block
+    verification. As the unfused Verifier and MTP drafter draw them: a seeded
     request's draws keyed on its positions, greedy rows none."""
     seeds, positions, greedy = [r.seed for r in reqs], [r.num_tokens for r in reqs], [r.params.greedy for r in reqs]
     noise = draw(seeds, positions, 2 * k + 1, vocab_size, "exponential", TARGET_NOISE, generator, device, greedy)
     inputs = [*sampling_tensors(reqs, None, device), noise]
-    if spec.draft_sampling != "probabilistic":
+    if spec.draft_sampling != "probabilistic" and spec.verification == "token":
         return inputs
     uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, generator, device, greedy)[..., 0]
+    if spec.draft_sampling != "probabilistic":
+        return inputs + [uniforms, torch.tensor([s is not None for s in seeds], device=device)]
     drafts = torch.tensor([r.draft_token_ids for r in reqs], dtype=torch.long, device=device).view(len(reqs), k)
     draft_probs = stack_draft_probs(reqs, drafts, vocab_size)
-    coupled = coupled_rows(draft_probs, "token", [s is not None for s in seeds])
+    coupled = coupled_rows(draft_probs, spec.verification, [s is not None for s in seeds])
     return inputs + [uniforms, torch.tensor(coupled, device=device), draft_probs]
 
 
 def fused_graph(runner, scheduled) -> str | None:
     """The fused graph this step can run as (built when runner.builds_fused_step): "fused" when every request
-    is greedy, "fused_sampled" when some sample (token-wise verification); None when some request is not
+    is greedy, "fused_sampled" when some sample; None when some request is not
     decoding (one pending token plus k drafts, k more wanted: with adaptive k, the k of the step before; k = 0,
     plain decoding, has a graph of its own under adaptive k) or is handed over or held for a hand-off."""
     if not scheduled or not runner.builds_fused_step:

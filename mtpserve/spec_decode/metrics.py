@@ -13,7 +13,7 @@ class SpecDecodeMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)   # verifications with a draft there (adaptive k: fewer)
+    drafted_per_position: list[int] = field(default_factory=list)   # verifications with a draft there
     log_interval_s: float = 10.0
     _last_log: float = field(default_factory=time.monotonic)
 
