@@ -103,8 +103,13 @@ class AdaptiveK:
         return max(s_lo + (s_hi - s_lo) * (batch - lo) / (hi - lo), 1e-9)
 
     def rate(self, batch: int, k: int) -> float:
+        """Expected tokens per second. A step with more drafts does more work than one with fewer, so its cost
+        is taken as at least theirs (noisy or stale timings must not make a bigger k look cheaper)."""
         s = self.seconds(batch, k)
-        return 0.0 if s is None else self.expected_tokens(k) / s
+        if s is None:
+            return 0.0
+        fewer = [t for t in (self.seconds(batch, j) for j in range(k)) if t is not None]
+        return self.expected_tokens(k) / max([s] + fewer)
 
     def choose(self, batch: int) -> int:
         rates = [self.rate(batch, k) for k in range(self.max_k + 1)]
@@ -154,19 +159,25 @@ def observe(policy: AdaptiveK, scheduled, results, k: int, seconds: float) -> No
         policy.observe_step(len(scheduled), k, seconds)
 
 
-def calibrate(engine, policy: AdaptiveK, prompt_len: int = 8, max_tokens: int = 8) -> None:
-    """Start-up: real decode steps for every k at batch sizes 1 and 16 (up to max_num_seqs), timed by the
-    engine's own step loop (observe), on random prompts, twice: the first round only warms up (the first steps
-    of a fresh engine run slow, and would price the first k tried too high). Their acceptance, the engine's
-    spec-decode counters and preemption counts are forgotten afterwards."""
+def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int = 16) -> None:
+    """Start-up: real decode steps for every k at batch sizes 1, 16 and max_num_seqs (up to 64, and at most as
+    many as the KV cache holds at once), timed by the engine's own step loop (observe), on random prompts,
+    twice: the first round only warms up (the first steps of a fresh engine run slow, and would price the first
+    k tried too high). Their acceptance, the engine's spec-decode counters and preemption counts are forgotten
+    afterwards."""
     import torch
 
     from mtpserve.sampling_params import SamplingParams
     from mtpserve.spec_decode.metrics import SpecDecodeMetrics
     started = time.monotonic()
     gen = torch.Generator().manual_seed(0)
+    room = engine.max_model_len - engine.max_step_overshoot   # (a short max_model_len: shorter requests)
+    max_tokens = max(1, min(max_tokens, room // 2))
+    prompt_len = max(1, min(prompt_len, room - max_tokens))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    sizes = sorted({1, min(16, engine.max_num_seqs)})
+    per_request = -(-(prompt_len + max_tokens + engine.max_step_overshoot) // engine.config.block_size)
+    most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request))   # (no preemption)
+    sizes = sorted({1, min(16, most), min(64, most)})
     for timed in (False, True):
         policy.timed.clear()   # (after the warm-up round: its times)
         for k in range(policy.max_k + 1):
