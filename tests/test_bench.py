@@ -144,6 +144,15 @@ def test_bench_adaptive(ckpt, tmp_path):
         assert row["outputs_match_no_mtp"] and sum(row["adaptive_k_steps"]) > 0 and row["adaptive_vs_no_mtp"] > 0
 
 
+def test_bench_overlap(ckpt, tmp_path):
+    rec = run_cli(["bench", "overlap", "--model", ckpt, "--modes", "eager", "--ks", "0,1", "--batch-sizes", "1,2",
+                   "--input-len", "5", "--output-len", "5", "--num-iters", "1"], tmp_path / "overlap.json")
+    rows = rec["results"]["rows"]
+    assert [r["name"] for r in rows[:4]] == ["eager_no_mtp_serial", "eager_no_mtp_overlap", "eager_mtp_k1_serial",
+                                             "eager_mtp_k1_overlap"] and len(rows) == 8
+    assert all(r["same_tokens_as_without_overlap"] and r["tpot_ratio_off_over_on"] > 0 for r in rows)
+
+
 def test_bench_throughput_and_peers_and_report(ckpt, tmp_path):
     tp = run_cli(["bench", "throughput", "--model", ckpt, "--num-prompts", "6", "--input-len", "5",
                   "--output-len", "5"], tmp_path / "tp.json")

@@ -23,6 +23,7 @@ def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int,
         run_batch(eng, prompts[:2], min(8, output_len), tag="w")
     rates = {(bs, name): [] for bs in batch_sizes for name in engines}
     tokens = {(bs, name): [] for bs in batch_sizes for name in engines}
+    lengths = {(bs, name): [] for bs in batch_sizes for name in engines}   # mean acceptance length per run
     chosen = {bs: [0] * (max_k + 1) for bs in batch_sizes}
     for it in range(num_iters):
         for bs in batch_sizes:
@@ -31,6 +32,7 @@ def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int,
                 r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
                 rates[(bs, name)].append((r["num_output_tokens"], r["duration"]))
                 tokens[(bs, name)].append(r["tokens"])
+                lengths[(bs, name)].append(r["spec"]["mean_acceptance_length"])
                 if before is not None:
                     chosen[bs] = [c + n - b for c, n, b in zip(chosen[bs], adaptive.adaptive.choices, before)]
                 log(f"  iter {it} batch {bs:3d} {name:14s} {r['duration']:.3f}s")
@@ -42,8 +44,9 @@ def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int,
         ada = tps[f"adaptive_k{max_k}"]
         rows.append(dict(batch_size=bs, tokens_per_s=tps, best_fixed=best, adaptive_vs_no_mtp=ada / tps["no_mtp"],
                          adaptive_vs_best_fixed=ada / fixed[best], adaptive_k_steps=chosen[bs],
+                         mean_acceptance_length={n: common.mean(lengths[(bs, n)]) for n in engines},
                          outputs_match_no_mtp=all(tokens[(bs, n)] == tokens[(bs, "no_mtp")] for n in engines)))
-    return dict(configs=list(engines), rows=rows,
+    return dict(configs=list(engines), rows=rows, final_acceptance_by_position=adaptive.adaptive.acceptance(),
                 calibrated_step_ms={k: {b: round(s * 1e3, 3) for b, s in sorted(t.items())}
                                     for k, t in sorted(adaptive.adaptive.step_seconds.items())})
 

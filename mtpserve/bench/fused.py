@@ -5,7 +5,7 @@ Per batch size and configuration: TPOT (ms per output token, decode only), ms pe
 (1 + accepted drafts), speedup over no MTP, and whether the tokens equal no MTP's (greedy, or sampling with a seed
 per request: the same tokens with and without speculation)."""
 from mtpserve.bench import common
-from mtpserve.bench.latency import build_engine, run_batch
+from mtpserve.bench.latency import build_engine, run_interleaved
 
 
 def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
@@ -19,18 +19,7 @@ def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int,
     max_batch = max(batch_sizes)
     engines = {name: build_engine(model, spec, max_batch, input_len + output_len, False, dtype,
                                   graph_batch_sizes=batch_sizes) for name, spec in specs.items()}
-    first = engines["no_mtp"]
-    prompts = common.make_prompts(max_batch * num_iters, input_len, first.model_config.vocab_size, first.tokenizer)
-    for eng in engines.values():
-        run_batch(eng, prompts[:2], min(8, output_len), tag="w")
-    runs = {(bs, name): [] for bs in batch_sizes for name in engines}
-    for it in range(num_iters):
-        for bs in batch_sizes:
-            for name, eng in engines.items():
-                r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}",
-                              temperature=temperature)
-                runs[(bs, name)].append(r)
-                log(f"  iter {it} batch {bs:3d} {name:12s} {r['duration']:.3f}s")
+    runs = run_interleaved(engines, batch_sizes, input_len, output_len, num_iters, temperature, log)
     rows = []
     for bs in batch_sizes:
         base = None

@@ -78,6 +78,26 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b",
                 tokens=[tokens[rid] for rid in ids])
 
 
+def run_interleaved(engines: dict, batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
+                    temperature: float = 0.0, log=print) -> dict:
+    """The same prompts on every engine (a dict name -> engine), after a short warm-up each, iterations
+    interleaved round-robin over batch sizes and engines. -> {(batch size, name): [run_batch results]}."""
+    first = next(iter(engines.values()))
+    prompts = common.make_prompts(max(batch_sizes) * num_iters, input_len, first.model_config.vocab_size,
+                                  first.tokenizer)
+    for eng in engines.values():
+        run_batch(eng, prompts[:2], min(8, output_len), tag="w")
+    runs = {(bs, name): [] for bs in batch_sizes for name in engines}
+    for it in range(num_iters):
+        for bs in batch_sizes:
+            for name, eng in engines.items():
+                r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}",
+                              temperature=temperature)
+                runs[(bs, name)].append(r)
+                log(f"  iter {it} batch {bs:3d} {name:22s} {r['duration']:.3f}s")
+    return runs
+
+
 def aggregate(runs: list[dict]) -> dict:
     """Pools the iterations of one configuration."""
     reqs = [r for run in runs for r in run["per_request"]]

@@ -5,7 +5,7 @@ per (mode, k, overlap), the same prompts, iterations interleaved round-robin.
 Per batch size and configuration: TPOT, output tokens/s, and the ratio of overlap on to off (TPOT off / on:
 above 1 means overlap pays); the tokens must equal those without overlap."""
 from mtpserve.bench import common
-from mtpserve.bench.latency import build_engine, run_batch
+from mtpserve.bench.latency import build_engine, run_interleaved
 
 
 def run_overlap(model: str, ks: list[int], batch_sizes: list[int], modes: list[str], input_len: int,
@@ -15,17 +15,9 @@ def run_overlap(model: str, ks: list[int], batch_sizes: list[int], modes: list[s
     engines = {c: build_engine(model, {"method": "mtp", "num_speculative_tokens": c[1]} if c[1] else None, max_batch,
                                input_len + output_len, c[0] == "eager", dtype, graph_batch_sizes=batch_sizes,
                                overlap=c[2]) for c in configs}
-    first = next(iter(engines.values()))
-    prompts = common.make_prompts(max_batch * num_iters, input_len, first.model_config.vocab_size, first.tokenizer)
-    for eng in engines.values():
-        run_batch(eng, prompts[:2], min(8, output_len), tag="w")
-    runs = {(bs, c): [] for bs in batch_sizes for c in configs}
-    for it in range(num_iters):
-        for bs in batch_sizes:
-            for c, eng in engines.items():
-                r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
-                runs[(bs, c)].append(r)
-                log(f"  iter {it} batch {bs:3d} {name(c):22s} {r['duration']:.3f}s")
+    by_name = run_interleaved({name(c): eng for c, eng in engines.items()}, batch_sizes, input_len, output_len,
+                              num_iters, log=log)
+    runs = {(bs, c): by_name[(bs, name(c))] for bs in batch_sizes for c in configs}
     rows = []
     for bs in batch_sizes:
         for c in configs:
@@ -36,9 +28,9 @@ def run_overlap(model: str, ks: list[int], batch_sizes: list[int], modes: list[s
             rows.append(dict(batch_size=bs, name=name(c), mode=c[0], k=c[1], overlap=c[2],
                              tpot_ms=1e3 * common.mean(tpots), output_tokens_per_s=tokens_per_s,
                              same_tokens_as_without_overlap=[r["tokens"] for r in rs] == [r["tokens"] for r in off]))
-    by_name = {(r["batch_size"], r["mode"], r["k"], r["overlap"]): r for r in rows}
+    by_config = {(r["batch_size"], r["mode"], r["k"], r["overlap"]): r for r in rows}
     for r in rows:
-        off = by_name[(r["batch_size"], r["mode"], r["k"], False)]
+        off = by_config[(r["batch_size"], r["mode"], r["k"], False)]
         r["tpot_ratio_off_over_on"] = off["tpot_ms"] / r["tpot_ms"]
     for eng in engines.values():
         eng.shutdown()
