@@ -225,12 +225,19 @@ def test_sampling_is_lossless(tmp_path_factory, spec):
 
 @pytest.mark.parametrize("spec", [{}, {"verification": "block"}, {"verification": "block", "draft_sampling": "greedy"}],
                          ids=["token", "block", "block-greedydraft"])
-def test_fused_sampled_graph_step_is_lossless(tmp_path_factory, spec):
+def test_fused_sampled_graph_step_is_lossless(tmp_path_factory, monkeypatch, spec):
     """Graph mode's fused step with sampling requests (spec_decode/fused.py: verification, the next drafts and
     their distributions inside one graph): the first three tokens (the second and third verified, the third's
     draft drawn, in fused steps) follow the exact joint distribution. Half the requests are seeded (coupled
     verification), half draw from the engine's generator (token-wise rejection sampling or block verification),
     in the same batches."""
+    from mtpserve.spec_decode import fused
+    methods, verify_tokens = [], fused.verify_tokens   # (both rules are lossless: which one the graph runs)
+
+    def recording_verify_tokens(*args):
+        methods.append(args[5])
+        return verify_tokens(*args)
+    monkeypatch.setattr(fused, "verify_tokens", recording_verify_tokens)
     path = peaked_checkpoint(tmp_path_factory.mktemp("v6f"), vocab_size=6, eos_token_id=None, bos_token_id=None)
     prompt = [1, 4, 2]
     params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=3, ignore_eos=True)
@@ -243,6 +250,7 @@ def test_fused_sampled_graph_step_is_lossless(tmp_path_factory, spec):
     for wave in range(0, num, 64):   # (in waves: a decode batch is not mixed with prompts, so it runs fused)
         outs += llm.generate(prompt_token_ids=[prompt] * 64, sampling_params=each[wave:wave + 64], use_tqdm=False)
     assert_follows(outs, joint)
+    assert set(methods) == {spec.get("verification", "token")}
     assert llm.engine.runner.pass_counts["fused_sampled"] >= num // 64
     m = llm.get_metrics()
     assert 0.05 < m["acceptance_rate"] < 1.0
