@@ -33,9 +33,11 @@ def load_tokenizer(path: str):
 
 @dataclass
 class Flight:
-    """A step handed to the model: what was scheduled, the k it drafts (adaptive k), its (results, seconds)."""
+    """A step handed to the model: what was scheduled, the k it drafts and whether it is steady (adaptive k:
+    adaptive.steady_batch), its results to come."""
     scheduled: list[ScheduledRequest]
     k_next: int | None
+    steady_batch: int | None
     results: Future
 
 
@@ -188,11 +190,18 @@ class LLMEngine:
         """Runs a step and returns the outputs of the requests it advanced. With overlap the step runs on the
         model thread, and the outputs returned are the step before's, finished (detokenised, stop strings
         checked) while this one runs."""
+        started = time.perf_counter()
         done = self._collect() if self._in_flight is not None else None
         self._in_flight = self._launch()
         if not self.overlap and self._in_flight is not None:
             done = self._collect()
-        return self._finish_outputs(*done) if done else []
+        if done is None:
+            return []
+        flight, results, progressed, appended = done
+        outputs = self._finish_outputs(progressed, appended)
+        if self.adaptive is not None:   # the whole call: the forward and the engine's own work on the step
+            adaptive.observe(self.adaptive, flight.steady_batch, results, flight.k_next, time.perf_counter() - started)
+        return outputs
 
     def _launch(self) -> Flight | None:
         scheduled = self.scheduler.schedule()
@@ -202,26 +211,23 @@ class LLMEngine:
         self.num_padded_handoff_steps += any(s.req.placeholder_drafts for s in scheduled)
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
-        k_next = adaptive.plan_drafts(self.adaptive, scheduled) if self.adaptive is not None else None
+        k_next = steady = None
+        if self.adaptive is not None:
+            k_next = adaptive.plan_drafts(self.adaptive, scheduled)
+            steady = adaptive.steady_batch(scheduled, k_next)
         if self._model_thread is None:
             results = Future()
-            results.set_result(self._execute_timed(scheduled))
+            results.set_result(self._execute_isolating(scheduled))
         else:   # the step reads copies: the engine changes the requests while it runs
-            results = self._model_thread.submit(self._execute_timed, snapshot(scheduled))
-        return Flight(scheduled, k_next, results)
+            results = self._model_thread.submit(self._execute_isolating, snapshot(scheduled))
+        return Flight(scheduled, k_next, steady, results)
 
-    def _execute_timed(self, scheduled) -> tuple[list, float]:
-        start = time.perf_counter()
-        results = self._execute_isolating(scheduled)
-        return results, time.perf_counter() - start
-
-    def _collect(self) -> tuple[list[str], list[tuple[Request, int]]]:
+    def _collect(self) -> tuple:
         """Applies the step in flight's results as far as the next schedule needs them (tokens, drafts, stops on
-        token ids and lengths). Returns the parents it advanced and, per request that sampled, its new tokens."""
+        token ids and lengths). Returns the flight, its results, the parents it advanced and, per request that
+        sampled, how many tokens it got."""
         flight, self._in_flight = self._in_flight, None
-        results, seconds = flight.results.result()
-        if self.adaptive is not None:
-            adaptive.observe(self.adaptive, flight.scheduled, results, flight.k_next, seconds)
+        results = flight.results.result()
         # (overlap) finished while the step ran, by an abort or a stop string in the step before: results dropped
         finished_before = [s.req.is_finished for s in flight.scheduled]
         now = time.monotonic()
@@ -238,7 +244,7 @@ class LLMEngine:
                 appended.append((req, self._commit(req, r, now)))
             if req.parent_id not in progressed:
                 progressed.append(req.parent_id)
-        return progressed, appended
+        return flight, results, progressed, appended
 
     def _commit(self, req: Request, r, now: float) -> int:
         """Takes a step's tokens and drafts for req; returns how many tokens it appended."""

@@ -6,7 +6,9 @@ step after it, to maximise the expected tokens per second.
 E[tokens | k] = 1 + sum_{i=1..k} prod_{j<i} c_j, with c_j the acceptance of draft position j given every
 earlier one was accepted, counted (exponentially decayed, from a prior) over the drafts verified so far. The
 seconds per step are the median of the last steps timed at that k and batch size (linear in the batch size
-between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs.
+between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs. A step
+is timed as the engine's whole step() call: the forward and the engine's own work on it (detokenising what it
+emitted grows with k; timing the forward alone made larger k look cheaper than they are).
 Every ``probe_every`` steps two steps draft a neighbouring k (one more, one fewer, in turn), so that the costs
 and the acceptance of the k that could overtake the best stay measured: without it, a k given up on early (k = 0
 verifies nothing) is never reconsidered; a k two away is reached through its neighbour. (Two:
@@ -149,14 +151,21 @@ def plan_drafts(policy: AdaptiveK, scheduled) -> int:
     return k
 
 
-def observe(policy: AdaptiveK, scheduled, results, k: int, seconds: float) -> None:
-    """Acceptance of the drafts verified this step; the step's time when it was a steady decode step (every
-    request verified k drafts and drafted k), the shape the cost table is keyed on."""
+def steady_batch(scheduled, k: int) -> int | None:
+    """The batch size if this is a steady decode step (every request verifies k drafts and drafts k), the shape
+    the cost table is keyed on; else None. (Asked before the step's tokens are taken.)"""
+    if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
+        return len(scheduled)
+    return None
+
+
+def observe(policy: AdaptiveK, steady: int | None, results, k: int, seconds: float) -> None:
+    """Acceptance of the drafts verified this step; the step's time when it was steady (steady_batch)."""
     for r in results:
         if not isinstance(r, Exception) and r.num_drafts:
             policy.observe_verification(r.num_drafts, r.num_accepted)
-    if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
-        policy.observe_step(len(scheduled), k, seconds)
+    if steady is not None:
+        policy.observe_step(steady, k, seconds)
 
 
 def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int = 16) -> None:
