@@ -81,7 +81,7 @@ class LLMEngine:
                         len(self.runner.graphs.graphs), cfg.graph_batch_sizes, self.graph_warmup_seconds, cache_dir())
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
-        self.adaptive = (adaptive.policy(k, self.runner.builds_fused_step)
+        self.adaptive = (adaptive.make_policy(k, self.runner.builds_fused_step)
                          if cfg.speculative and cfg.speculative.adaptive else None)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -8,7 +8,7 @@ earlier one was accepted, counted (exponentially decayed, from a prior) over the
 seconds per step are the median of the last steps timed at that k and batch size (linear in the batch size
 between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs. A step
 is timed as the engine's whole step() call: the forward and the engine's own work on it (detokenising what it
-emitted grows with k; timing the forward alone made larger k look cheaper than they are).
+emitted grows with k; the forward alone rose more slowly with k than the engine's throughput did).
 Every ``probe_every`` steps two steps draft a neighbouring k (one more, one fewer, in turn), so that the costs
 and the acceptance of the k that could overtake the best stay measured: without it, a k given up on early (k = 0
 verifies nothing) is never reconsidered; a k two away is reached through its neighbour. (Two:
@@ -136,7 +136,7 @@ def describe(policy: AdaptiveK, batch: int) -> str:
             f"acceptance by position [{accept}], steps by k {policy.choices}")
 
 
-def policy(max_k: int, fused_step: bool) -> AdaptiveK:
+def make_policy(max_k: int, fused_step: bool) -> AdaptiveK:
     """The policy for an engine; fused_step: graph mode runs steps that keep k as one fused graph."""
     if fused_step:
         return AdaptiveK(max_k, switch_margin=FUSED_SWITCH_MARGIN, probe_every=FUSED_PROBE_EVERY)
