@@ -1,18 +1,16 @@
 """The engine loop: schedule -> execute -> update (DESIGN.md section 2)."""
-import copy
-import dataclasses
 import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 from mtpserve.config import EngineConfig
-from mtpserve.engine.detokenizer import detokenize_incrementally
+from mtpserve.engine import stops, validation
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
+from mtpserve.engine.flight import Flight, snapshot
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, request_seed
-from mtpserve.engine.scheduler import ScheduledRequest, Scheduler
+from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
@@ -29,26 +27,6 @@ def load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
-
-
-@dataclass
-class Flight:
-    """A step handed to the model: what was scheduled, the k it drafts and whether it is steady (adaptive k:
-    adaptive.steady_batch), its results to come."""
-    scheduled: list[ScheduledRequest]
-    k_next: int | None
-    steady_batch: int | None
-    results: Future
-
-
-def snapshot(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """The scheduled requests as a step reads them, copied (the lists the engine changes in place included)."""
-    copies = []
-    for s in scheduled:
-        req = copy.copy(s.req)
-        req.output_token_ids, req.block_ids = list(req.output_token_ids), list(req.block_ids)
-        copies.append(dataclasses.replace(s, req=req, draft_token_ids=list(s.draft_token_ids)))
-    return copies
 
 
 class LLMEngine:
@@ -125,29 +103,11 @@ class LLMEngine:
         if request_id in self.children:
             raise ValueError(f"request_id {request_id!r} is already in use")
         dp = self.config.data_parallel_size
-        if data_parallel_rank is not None and not (isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < dp):
-            raise ValueError(f"data_parallel_rank = {data_parallel_rank!r}: must be in [0, data_parallel_size = {dp})")
-        vocab = self.model_config.vocab_size
-        if params.top_k > vocab:
-            raise ValueError(f"top_k = {params.top_k}: must be -1 (off) or at most the vocabulary size {vocab}")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: ids must be below the vocabulary size {vocab}")
-        token_ids = self._prompt_tokens(prompt, prompt_token_ids)
-        room = self.max_model_len - len(token_ids)
-        if room <= 0:
-            raise ValueError(f"prompt: {len(token_ids)} tokens, at or over max_model_len = {self.max_model_len}")
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"max_tokens = {params.max_tokens}: prompt ({len(token_ids)} tokens) + max_tokens "
-                             f"exceeds max_model_len = {self.max_model_len}")
-        slots = len(token_ids) + (params.max_tokens or room) + self.max_step_overshoot
-        if -(-slots // self.config.block_size) > self.block_manager.num_blocks:
-            raise ValueError(f"max_tokens: prompt + max_tokens ({slots} KV slots with lookahead) would not fit in "
-                             f"the KV cache ({self.block_manager.num_blocks} blocks of {self.config.block_size})")
+        token_ids, max_tokens = validation.check_request(self, prompt, prompt_token_ids, params, data_parallel_rank)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, prompt, list(token_ids), params, params.max_tokens or room,
-                          request_seed(params, i), i, request_id)
+            req = Request(child_id, prompt, list(token_ids), params, max_tokens, request_seed(params, i), i, request_id)
             req.hold_kv = hold_kv
             children.append(req)
             self.requests[child_id] = req
@@ -156,21 +116,6 @@ class LLMEngine:
             else:
                 self.scheduler.add(req)
         self.children[request_id] = children
-
-    def _prompt_tokens(self, prompt, prompt_token_ids) -> list[int]:
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("prompt: give a prompt or prompt_token_ids")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt: empty prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        return list(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         for req in self.children.get(request_id, []):
@@ -251,7 +196,9 @@ class LLMEngine:
         req.num_computed_tokens = req.num_tokens + len(r.new_token_ids) - 1
         if r.num_drafts and self.spec_metrics is not None:
             self.spec_metrics.record(r.num_drafts, r.num_accepted)
-        num_appended = self._append_tokens(req, r.new_token_ids)
+        num_appended, reason = stops.take_tokens(req, r.new_token_ids, self.eos_token_ids)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.last_token_time = now
         req.draft_token_ids = r.next_drafts or []
@@ -266,11 +213,19 @@ class LLMEngine:
     def _finish_outputs(self, progressed: list[str], appended: list[tuple[Request, int]]) -> list[RequestOutput]:
         now = time.monotonic()
         for req, num_new in appended:
-            if req.error is None:   # (else: failed with a sibling)
-                try:
-                    self._detokenize(req, num_new, now)
-                except Exception as e:   # (detokenisation, stop strings): this request's fault, not the others'
-                    self._fail(req, e, now)
+            if req.error is not None:   # (failed with a sibling)
+                continue
+            try:
+                keep = stops.detokenize_until_stop_string(self.tokenizer, req, num_new)
+            except Exception as e:   # (detokenisation, stop strings): this request's fault, not the others'
+                self._fail(req, e, now)
+                continue
+            if keep is not None:   # the tokens after the stop string go
+                del req.output_token_ids[keep:]
+                req.finish_reason = "stop"   # (over "length")
+                if not req.is_finished:
+                    self.scheduler.finish(req, "stop")
+                req.metrics.finished_time = now
         if self.spec_metrics is not None and self.spec_metrics.maybe_log() and self.adaptive is not None:
             logger.info(adaptive.describe(self.adaptive, len(appended)))
         outputs = [self._output(pid) for pid in progressed]
@@ -305,53 +260,6 @@ class LLMEngine:
                 self.scheduler.finish(sibling, "error")
                 sibling.metrics.finished_time = now
         req.error = req.error or "a sibling completion failed"
-
-    def _append_tokens(self, req: Request, tokens: list[int]) -> int:
-        """Appends accepted tokens one at a time, stopping at EOS, stop ids or max_tokens; returns how many."""
-        p = req.params
-        for n, t in enumerate(tokens, 1):
-            req.output_token_ids.append(t)
-            if not p.ignore_eos and t in self.eos_token_ids:
-                self.scheduler.finish(req, "stop")
-            elif t in p.stop_token_ids:
-                req.stop_reason = t
-                self.scheduler.finish(req, "stop")
-            elif len(req.output_token_ids) >= req.max_tokens:
-                self.scheduler.finish(req, "length")
-            else:
-                continue
-            return n
-        return len(tokens)
-
-    def _detokenize(self, req: Request, num_new: int, now: float) -> None:
-        """Detokenises req's newest tokens one at a time. A stop string ends the request at the token that
-        completes it (unless that token ended it already: EOS or a stop id), and the tokens after it go."""
-        if self.tokenizer is None:
-            return
-        total = len(req.output_token_ids)
-        stopped_by_id = req.finish_reason == "stop"   # (at its last token)
-        for end in range(total - num_new + 1, total + 1):
-            new_text = detokenize_incrementally(self.tokenizer, req, end)
-            if not new_text or not req.params.stop or (end == total and stopped_by_id):
-                continue
-            if self._hit_stop_string(req, len(new_text)):
-                del req.output_token_ids[end:]
-                req.finish_reason = "stop"   # (over "length")
-                if not req.is_finished:
-                    self.scheduler.finish(req, "stop")
-                req.metrics.finished_time = now
-                return
-
-    def _hit_stop_string(self, req: Request, new_len: int) -> bool:
-        longest = max(len(s) for s in req.params.stop)
-        search_from = max(0, len(req.text) - new_len - longest + 1)
-        hits = [(req.text.find(s, search_from), s) for s in req.params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        index, stop = min(hits)
-        req.text, req.stop_reason = req.text[:index], stop
-        return True
 
     def _output(self, parent_id: str) -> RequestOutput:
         kids = self.children[parent_id]
