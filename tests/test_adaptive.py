@@ -33,6 +33,28 @@ def test_choice_maximises_expected_tokens_per_second():
     assert p.choose(1) == 2
 
 
+def test_each_draft_must_buy_the_premium():
+    """k = 2 rated 2% above k = 1 (less than the premium per draft): k = 1, the fewer drafts, is chosen; rated
+    10% above it, k = 2."""
+    for gain, picked in ((1.02, 1), (1.10, 2)):
+        p = policy_with([0.8, 0.5], {0: {1: 1.0}, 1: {1: 1.0}, 2: {1: 1.0}})
+        p.timed[2][1].clear()
+        p.observe_step(1, 2, 2.2 / (1.8 * gain))   # rate(2) = gain * rate(1)
+        assert p.rate(1, 2) == pytest.approx(gain * p.rate(1, 1)) and p.choose(1) == picked
+
+
+def test_expected_tokens_stop_at_max_tokens():
+    """A request with r tokens left gets at most r from a step, so drafts past r - 1 add nothing: with every
+    request one token from its end plain decoding is chosen, even where drafts are cheap and accepted."""
+    p = policy_with([0.9, 0.9, 0.9], {0: {4: 1.0}, 1: {4: 1.01}, 2: {4: 1.02}, 3: {4: 1.03}})
+    assert p.expected_tokens(3, room=2) == pytest.approx(1.9) and p.expected_tokens(3, room=9) == pytest.approx(3.439)
+    assert p.choose(4) == 3
+    p.current = None
+    assert p.choose(4, rooms=[1, 1, 1, 1]) == 0
+    p.current = None
+    assert p.choose(4, rooms=[2, 2, 2, 2]) == 1
+
+
 def test_costs_beyond_the_measured_sizes_follow_the_widest_span():
     """Timed at batch 1, 15 and 16 (16 a little faster than 15: noise), a batch of 32 is priced on the line
     through 1 and 16, not on the falling line through 15 and 16, which priced a big k cheap at high load."""
