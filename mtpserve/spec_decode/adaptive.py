@@ -27,7 +27,7 @@ import bisect
 import logging
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 logger = logging.getLogger("mtpserve")
@@ -120,8 +120,8 @@ class AdaptiveK:
         if s is None:
             return 0.0
         fewer = [t for t in (self.seconds(batch, j) for j in range(k)) if t is not None]
-        tokens = (self.expected_tokens(k) if not rooms else
-                  sum(self.expected_tokens(k, room) for room in rooms) / len(rooms))
+        tokens = (self.expected_tokens(k) if not rooms else   # (rooms past max_k + 1 are all alike)
+                  sum(n * self.expected_tokens(k, room) for room, n in Counter(rooms).items()) / len(rooms))
         return tokens / max([s] + fewer)
 
     def choose(self, batch: int, rooms: list[int] | None = None) -> int:
@@ -161,7 +161,7 @@ def plan_drafts(policy: AdaptiveK, scheduled) -> int:
         k = policy.forced
     else:   # (a request sampling this step takes at least one token in it)
         rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
-        k = policy.choose(len(scheduled), [r for r in rooms if r > 0])
+        k = policy.choose(len(scheduled), [min(r, policy.max_k + 1) for r in rooms if r > 0])
     for s in scheduled:
         s.num_next_drafts = k
     return k
