@@ -43,6 +43,21 @@ def test_each_draft_must_buy_the_premium():
         assert p.rate(1, 2) == pytest.approx(gain * p.rate(1, 1)) and p.choose(1) == picked
 
 
+def test_a_slower_machine_does_not_make_the_other_k_look_cheap():
+    """Calibrated at one speed (k = 1 the best), then the machine slows down twice: the k in use is timed at the
+    new speed, the other k is not. Priced by the ratio measured side by side, it stays behind; priced by its
+    old absolute cost, it would look cheap and be picked."""
+    p = policy_with([0.8, 0.625], {0: {4: 0.9}, 1: {4: 1.0}, 2: {4: 1.5}})
+    p.relate_costs()
+    assert p.choose(4) == 1
+    for _ in range(adaptive.TIMED_STEPS):
+        p.observe_step(4, 1, 2.0)
+    assert p.seconds(4, 2) == pytest.approx(3.0) and p.seconds(4, 0) == pytest.approx(1.8)
+    assert p.choose(4) == 1
+    stale = p.expected_tokens(2) / adaptive.at_batch(p.timed[2], 4)   # (priced by its old absolute cost)
+    assert stale > p.expected_tokens(1) / p.seconds(4, 1)
+
+
 def test_expected_tokens_stop_at_max_tokens():
     """A request with r tokens left gets at most r from a step, so drafts past r - 1 add nothing: with every
     request one token from its end plain decoding is chosen, even where drafts are cheap and accepted."""

@@ -6,8 +6,10 @@ step after it, to maximise the expected tokens per second.
 E[tokens | k] = 1 + sum_{i=1..k} prod_{j<i} c_j, with c_j the acceptance of draft position j given every
 earlier one was accepted, counted (exponentially decayed, from a prior) over the drafts verified so far, and
 for a request with r tokens left before max_tokens, capped at r (its drafts past r - 1 buy nothing). The
-seconds per step are the median of the last steps timed at that k and batch size (linear in the batch size
-between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs. A step
+seconds per step of the k in use are the median of its last steps timed at that batch size (linear in the batch
+size between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs;
+another k is priced relative to it, by the ratio of their costs measured side by side (at calibration, then by
+the probes below against the steps just before them), since this machine's speed drifts within minutes. A step
 is timed as the engine's whole step() call: the forward and the engine's own work on it (detokenising what it
 emitted grows with k; the forward alone rose more slowly with k than the engine's throughput did).
 Every ``probe_every`` steps two steps draft a neighbouring k (one more, one fewer, in turn), so that the costs
@@ -50,6 +52,7 @@ class AdaptiveK:
     reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
     accepted: list[float] = field(default_factory=list)   # ... and accepted at j
     timed: dict = field(default_factory=dict)             # k -> {batch size: recent step seconds}
+    relative: dict = field(default_factory=dict)          # (k, k in use) -> {batch size: recent ratios of their costs}
     current: int | None = None
     forced: int | None = None                             # (calibration) k to use whatever the rates say
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
@@ -73,7 +76,20 @@ class AdaptiveK:
             self.accepted[j] = self.accepted[j] * DECAY + (num_accepted > j)
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        if self.current is not None and k != self.current:   # a probe: priced against the k in use, timed just before
+            in_use = at_batch(self.timed.get(self.current), batch)
+            if in_use:
+                self.relative.setdefault((k, self.current), {}).setdefault(
+                    batch, deque(maxlen=TIMED_STEPS)).append(seconds / in_use)
         self.timed.setdefault(k, {}).setdefault(batch, deque(maxlen=TIMED_STEPS)).append(seconds)
+
+    def relate_costs(self) -> None:
+        """Seeds the cost ratios of every pair of k from the step costs timed so far (the calibration)."""
+        for k in self.timed:
+            for other in self.timed:
+                if k != other:
+                    self.relative[(k, other)] = {b: deque([at_batch(self.timed[k], b) / at_batch(self.timed[other], b)],
+                                                          maxlen=TIMED_STEPS) for b in self.timed[k]}
 
     @property
     def step_seconds(self) -> dict:
@@ -93,24 +109,16 @@ class AdaptiveK:
         return total
 
     def seconds(self, batch: int, k: int) -> float | None:
-        """Step seconds at this batch size: measured, or interpolated linearly between the nearest measured
-        sizes; outside them, extrapolated along the line through the smallest and the largest measured size
-        (two neighbouring sizes, say 15 and 16, would let their noise set the slope, even a falling one)."""
-        by_batch = self.timed.get(k) or {}
-        if batch in by_batch:
-            return statistics.median(by_batch[batch])
-        sizes = sorted(by_batch)
-        if not sizes:
-            return None
-        if len(sizes) == 1:
-            return statistics.median(by_batch[sizes[0]])
-        if sizes[0] < batch < sizes[-1]:
-            i = bisect.bisect_left(sizes, batch)
-            lo, hi = sizes[i - 1], sizes[i]
-        else:
-            lo, hi = sizes[0], sizes[-1]
-        s_lo, s_hi = statistics.median(by_batch[lo]), statistics.median(by_batch[hi])
-        return max(s_lo + (s_hi - s_lo) * (batch - lo) / (hi - lo), 1e-9)
+        """Step seconds at this batch size. For the k in use, the median of its recent steps (at_batch); for
+        another, the cost of the k in use times their ratio, as last measured side by side (a probe against the
+        steps just before it, or the calibration): this shared machine's speed drifts by half within minutes,
+        and a cost timed minutes ago, compared with one timed now, would let the drift decide."""
+        if self.current is not None and k != self.current:
+            ratio = at_batch(self.relative.get((k, self.current)), batch)
+            in_use = at_batch(self.timed.get(self.current), batch)
+            if ratio and in_use:
+                return ratio * in_use
+        return at_batch(self.timed.get(k), batch)
 
     def rate(self, batch: int, k: int, rooms: list[int] | None = None) -> float:
         """Expected tokens per second (per request); rooms: the requests' tokens left before max_tokens. A step
@@ -138,6 +146,26 @@ class AdaptiveK:
             k = neighbours[self.steps // self.probe_every % len(neighbours)]
         self.choices[k] += 1
         return k
+
+
+def at_batch(by_batch: dict | None, batch: int) -> float | None:
+    """The median of the values kept at this batch size, or interpolated linearly between the nearest sizes
+    kept; outside them, extrapolated along the line through the smallest and the largest (two neighbouring sizes,
+    say 15 and 16, would let their noise set the slope, even a falling one). None when nothing is kept."""
+    if not by_batch:
+        return None
+    if batch in by_batch:
+        return statistics.median(by_batch[batch])
+    sizes = sorted(by_batch)
+    if len(sizes) == 1:
+        return statistics.median(by_batch[sizes[0]])
+    if sizes[0] < batch < sizes[-1]:
+        i = bisect.bisect_left(sizes, batch)
+        lo, hi = sizes[i - 1], sizes[i]
+    else:
+        lo, hi = sizes[0], sizes[-1]
+    v_lo, v_hi = statistics.median(by_batch[lo]), statistics.median(by_batch[hi])
+    return max(v_lo + (v_hi - v_lo) * (batch - lo) / (hi - lo), 1e-9)
 
 
 def describe(policy: AdaptiveK, batch: int) -> str:
@@ -205,8 +233,8 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int =
     sizes = sorted({1, min(16, most), min(64, most)})
     for timed in (False, True):
         policy.timed.clear()   # (after the warm-up round: its times)
-        for k in range(policy.max_k + 1):
-            for batch in sizes:
+        for batch in sizes:   # (every k at a batch size one after the other: their ratios are what counts)
+            for k in range(policy.max_k + 1):
                 ids = [f"adaptive-calibration-{timed:d}-{k}-{batch}-{i}" for i in range(batch)]
                 policy.forced = k
                 try:
@@ -219,6 +247,7 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int =
                     for rid in ids:
                         engine.abort_request(rid)
     policy.forced, policy.current, policy.choices = None, None, [0] * (policy.max_k + 1)
+    policy.relate_costs()
     policy.forget_acceptance()
     engine.spec_metrics = SpecDecodeMetrics(policy.max_k)
     for core in engine.cores:
