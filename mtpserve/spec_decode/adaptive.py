@@ -52,7 +52,7 @@ class AdaptiveK:
     reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
     accepted: list[float] = field(default_factory=list)   # ... and accepted at j
     timed: dict = field(default_factory=dict)             # k -> {batch size: recent step seconds}
-    relative: dict = field(default_factory=dict)          # (k, k in use) -> {batch size: recent ratios of their costs}
+    relative: dict = field(default_factory=dict)          # (k, k in use) -> {size class: recent ratios of their costs}
     current: int | None = None
     forced: int | None = None                             # (calibration) k to use whatever the rates say
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
@@ -80,7 +80,7 @@ class AdaptiveK:
             in_use = at_batch(self.timed.get(self.current), batch)
             if in_use:
                 self.relative.setdefault((k, self.current), {}).setdefault(
-                    batch, deque(maxlen=TIMED_STEPS)).append(seconds / in_use)
+                    size_class(batch), deque(maxlen=TIMED_STEPS)).append(seconds / in_use)
         self.timed.setdefault(k, {}).setdefault(batch, deque(maxlen=TIMED_STEPS)).append(seconds)
 
     def relate_costs(self) -> None:
@@ -88,8 +88,9 @@ class AdaptiveK:
         for k in self.timed:
             for other in self.timed:
                 if k != other:
-                    self.relative[(k, other)] = {b: deque([at_batch(self.timed[k], b) / at_batch(self.timed[other], b)],
-                                                          maxlen=TIMED_STEPS) for b in self.timed[k]}
+                    self.relative[(k, other)] = {
+                        size_class(b): deque([at_batch(self.timed[k], b) / at_batch(self.timed[other], b)],
+                                             maxlen=TIMED_STEPS) for b in self.timed[k]}
 
     @property
     def step_seconds(self) -> dict:
@@ -114,7 +115,7 @@ class AdaptiveK:
         steps just before it, or the calibration): this shared machine's speed drifts by half within minutes,
         and a cost timed minutes ago, compared with one timed now, would let the drift decide."""
         if self.current is not None and k != self.current:
-            ratio = at_batch(self.relative.get((k, self.current)), batch)
+            ratio = ratio_at(self.relative.get((k, self.current)), batch)
             in_use = at_batch(self.timed.get(self.current), batch)
             if ratio and in_use:
                 return ratio * in_use
@@ -166,6 +167,20 @@ def at_batch(by_batch: dict | None, batch: int) -> float | None:
         lo, hi = sizes[0], sizes[-1]
     v_lo, v_hi = statistics.median(by_batch[lo]), statistics.median(by_batch[hi])
     return max(v_lo + (v_hi - v_lo) * (batch - lo) / (hi - lo), 1e-9)
+
+
+def size_class(batch: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ...: cost ratios change slowly with the batch size, and probes come at
+    whatever size the batch has, so they are pooled by class (a size seen once would keep one noisy ratio)."""
+    return batch.bit_length()
+
+
+def ratio_at(by_class: dict | None, batch: int) -> float | None:
+    """The median ratio of this batch size's class, or of the nearest class that has one."""
+    if not by_class:
+        return None
+    nearest = min(by_class, key=lambda c: abs(c - size_class(batch)))
+    return statistics.median(by_class[nearest])
 
 
 def describe(policy: AdaptiveK, batch: int) -> str:
