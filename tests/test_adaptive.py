@@ -48,7 +48,7 @@ def test_a_slower_machine_does_not_make_the_other_k_look_cheap():
     new speed, the other k is not. Priced by the ratio measured side by side, it stays behind; priced by its
     old absolute cost, it would look cheap and be picked."""
     p = policy_with([0.8, 0.625], {0: {4: 0.9}, 1: {4: 1.0}, 2: {4: 1.5}})
-    p.relate_costs()
+    p.relate_costs(min_steps=1)
     assert p.choose(4) == 1
     for _ in range(adaptive.TIMED_STEPS):
         p.observe_step(4, 1, 2.0)

@@ -52,7 +52,7 @@ class AdaptiveK:
     reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
     accepted: list[float] = field(default_factory=list)   # ... and accepted at j
     timed: dict = field(default_factory=dict)             # k -> {batch size: recent step seconds}
-    relative: dict = field(default_factory=dict)          # (k, k in use) -> {size class: recent ratios of their costs}
+    relative: dict = field(default_factory=dict)          # (k, larger k) -> {size class: recent cost ratios, larger / k}
     current: int | None = None
     forced: int | None = None                             # (calibration) k to use whatever the rates say
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
@@ -79,18 +79,23 @@ class AdaptiveK:
         if self.current is not None and k != self.current:   # a probe: priced against the k in use, timed just before
             in_use = at_batch(self.timed.get(self.current), batch)
             if in_use:
-                self.relative.setdefault((k, self.current), {}).setdefault(
-                    size_class(batch), deque(maxlen=TIMED_STEPS)).append(seconds / in_use)
+                ratio = seconds / in_use if k > self.current else in_use / seconds
+                self.relative.setdefault((min(k, self.current), max(k, self.current)), {}).setdefault(
+                    size_class(batch), deque(maxlen=TIMED_STEPS)).append(ratio)
         self.timed.setdefault(k, {}).setdefault(batch, deque(maxlen=TIMED_STEPS)).append(seconds)
 
-    def relate_costs(self) -> None:
-        """Seeds the cost ratios of every pair of k from the step costs timed so far (the calibration)."""
+    def relate_costs(self, min_steps: int = 3) -> None:
+        """Seeds the cost ratios of every pair of k from the step costs timed so far (the calibration), at the
+        batch sizes both were timed at in at least min_steps steps (a size its batch passed through once while
+        requests finished holds one noisy time)."""
         for k in self.timed:
             for other in self.timed:
-                if k != other:
-                    self.relative[(k, other)] = {
+                sizes = [b for b, t in self.timed[k].items() if len(t) >= min_steps and
+                         len(self.timed[other].get(b, ())) >= min_steps]
+                if k > other and sizes:
+                    self.relative[(other, k)] = {
                         size_class(b): deque([at_batch(self.timed[k], b) / at_batch(self.timed[other], b)],
-                                             maxlen=TIMED_STEPS) for b in self.timed[k]}
+                                             maxlen=TIMED_STEPS) for b in sizes}
 
     @property
     def step_seconds(self) -> dict:
@@ -115,10 +120,10 @@ class AdaptiveK:
         steps just before it, or the calibration): this shared machine's speed drifts by half within minutes,
         and a cost timed minutes ago, compared with one timed now, would let the drift decide."""
         if self.current is not None and k != self.current:
-            ratio = ratio_at(self.relative.get((k, self.current)), batch)
+            ratio = ratio_at(self.relative.get((min(k, self.current), max(k, self.current))), batch)
             in_use = at_batch(self.timed.get(self.current), batch)
-            if ratio and in_use:
-                return ratio * in_use
+            if ratio and in_use:   # (one ratio per pair, so that the two see each other alike: no flapping)
+                return (ratio if k > self.current else 1 / ratio) * in_use
         return at_batch(self.timed.get(k), batch)
 
     def rate(self, batch: int, k: int, rooms: list[int] | None = None) -> float:
@@ -179,7 +184,7 @@ def ratio_at(by_class: dict | None, batch: int) -> float | None:
     """The median ratio of this batch size's class, or of the nearest class that has one."""
     if not by_class:
         return None
-    nearest = min(by_class, key=lambda c: abs(c - size_class(batch)))
+    nearest = min(by_class, key=lambda c: (abs(c - size_class(batch)), c))
     return statistics.median(by_class[nearest])
 
 
