@@ -58,6 +58,20 @@ def test_a_slower_machine_does_not_make_the_other_k_look_cheap():
     assert stale > p.expected_tokens(1) / p.seconds(4, 1)
 
 
+def test_a_probe_prices_the_pair_both_ways():
+    """A probe of k = 3 while k = 2 is in use updates the one ratio of the pair, which k = 2 is then priced by once
+    k = 3 is in use (two ratios, one per side, disagreed, and the engine switched between the two every step)."""
+    p = policy_with([0.8, 0.7, 0.6], {2: {4: 1.0}, 3: {4: 1.2}})
+    p.relate_costs(min_steps=1)
+    p.current = 2
+    p.observe_step(4, 3, 1.5)                   # the pair's ratio: median of 1.2 and 1.5
+    assert p.seconds(4, 3) == pytest.approx(1.35)
+    p.current = 3
+    for _ in range(adaptive.TIMED_STEPS):
+        p.observe_step(4, 3, 1.35)
+    assert p.seconds(4, 2) == pytest.approx(1.0)
+
+
 def test_expected_tokens_stop_at_max_tokens():
     """A request with r tokens left gets at most r from a step, so drafts past r - 1 add nothing: with every
     request one token from its end plain decoding is chosen, even where drafts are cheap and accepted."""
