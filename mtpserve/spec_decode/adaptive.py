@@ -26,6 +26,7 @@ k = 0 is plain decoding (the MTP's first pass still runs, without its head, so t
 for when drafting resumes). Whatever k is picked, verification is lossless: only the number of drafts changes.
 """
 import bisect
+import itertools
 import logging
 import statistics
 import time
@@ -88,14 +89,13 @@ class AdaptiveK:
         """Seeds the cost ratios of every pair of k from the step costs timed so far (the calibration), at the
         batch sizes both were timed at in at least min_steps steps (a size its batch passed through once while
         requests finished holds one noisy time)."""
-        for k in self.timed:
-            for other in self.timed:
-                sizes = [b for b, t in self.timed[k].items() if len(t) >= min_steps and
-                         len(self.timed[other].get(b, ())) >= min_steps]
-                if k > other and sizes:
-                    self.relative[(other, k)] = {
-                        size_class(b): deque([at_batch(self.timed[k], b) / at_batch(self.timed[other], b)],
-                                             maxlen=TIMED_STEPS) for b in sizes}
+        for k, larger in itertools.combinations(sorted(self.timed), 2):
+            sizes = [b for b, t in self.timed[k].items() if len(t) >= min_steps and
+                     len(self.timed[larger].get(b, ())) >= min_steps]
+            if sizes:
+                self.relative[(k, larger)] = {
+                    size_class(b): deque([at_batch(self.timed[larger], b) / at_batch(self.timed[k], b)],
+                                         maxlen=TIMED_STEPS) for b in sizes}
 
     @property
     def step_seconds(self) -> dict:
@@ -117,8 +117,8 @@ class AdaptiveK:
     def seconds(self, batch: int, k: int) -> float | None:
         """Step seconds at this batch size. For the k in use, the median of its recent steps (at_batch); for
         another, the cost of the k in use times their ratio, as last measured side by side (a probe against the
-        steps just before it, or the calibration): this shared machine's speed drifts by half within minutes,
-        and a cost timed minutes ago, compared with one timed now, would let the drift decide."""
+        steps just before it, or the calibration): a machine's speed drifts (a shared host's by half within
+        minutes, measured), and a cost timed minutes ago, compared with one timed now, would let the drift decide."""
         if self.current is not None and k != self.current:
             ratio = ratio_at(self.relative.get((min(k, self.current), max(k, self.current))), batch)
             in_use = at_batch(self.timed.get(self.current), batch)
@@ -126,21 +126,26 @@ class AdaptiveK:
                 return (ratio if k > self.current else 1 / ratio) * in_use
         return at_batch(self.timed.get(k), batch)
 
+    def rates(self, batch: int, rooms: list[int] | None = None) -> list[float]:
+        """Expected tokens per second (per request) for k = 0..max_k; rooms: the requests' tokens left before
+        max_tokens. A step with more drafts does more work than one with fewer, so its cost is taken as at least
+        theirs (noisy or stale timings must not make a bigger k look cheaper)."""
+        rooms = Counter(rooms or [])   # (rooms past max_k + 1 are all alike: plan_drafts clips them)
+        out, most = [], 0.0
+        for k in range(self.max_k + 1):
+            s = self.seconds(batch, k)
+            most = max(most, s or 0.0)
+            tokens = (sum(n * self.expected_tokens(k, room) for room, n in rooms.items()) / rooms.total()
+                      if rooms else self.expected_tokens(k))
+            out.append(tokens / most if s is not None else 0.0)
+        return out
+
     def rate(self, batch: int, k: int, rooms: list[int] | None = None) -> float:
-        """Expected tokens per second (per request); rooms: the requests' tokens left before max_tokens. A step
-        with more drafts does more work than one with fewer, so its cost is taken as at least theirs (noisy or
-        stale timings must not make a bigger k look cheaper)."""
-        s = self.seconds(batch, k)
-        if s is None:
-            return 0.0
-        fewer = [t for t in (self.seconds(batch, j) for j in range(k)) if t is not None]
-        tokens = (self.expected_tokens(k) if not rooms else   # (rooms past max_k + 1 are all alike)
-                  sum(n * self.expected_tokens(k, room) for room, n in Counter(rooms).items()) / len(rooms))
-        return tokens / max([s] + fewer)
+        return self.rates(batch, rooms)[k]
 
     def choose(self, batch: int, rooms: list[int] | None = None) -> int:
         """k for the next step of a batch of this size (rooms: its requests' tokens left after this step)."""
-        values = [self.rate(batch, k, rooms) * (1 - DRAFT_PREMIUM) ** k for k in range(self.max_k + 1)]
+        values = [r * (1 - DRAFT_PREMIUM) ** k for k, r in enumerate(self.rates(batch, rooms))]
         best = max(range(self.max_k + 1), key=lambda k: values[k])
         if self.current is not None and values[self.current] * (1 + self.switch_margin) >= values[best]:
             best = self.current
@@ -190,7 +195,7 @@ def ratio_at(by_class: dict | None, batch: int) -> float | None:
 
 def describe(policy: AdaptiveK, batch: int) -> str:
     """The policy's view at this batch size, for the log."""
-    rates = ", ".join(f"{k}: {policy.rate(batch, k):.0f}" for k in range(policy.max_k + 1))
+    rates = ", ".join(f"{k}: {r:.0f}" for k, r in enumerate(policy.rates(batch)))
     accept = ", ".join(f"{c:.2f}" for c in policy.acceptance())
     return (f"adaptive speculation: k = {policy.current} at batch {batch}; expected tokens/s by k {{{rates}}}, "
             f"acceptance by position [{accept}], steps by k {policy.choices}")
