@@ -152,11 +152,24 @@ def test_probes_try_the_neighbouring_k():
 
 def test_acceptance_counts_only_positions_reached():
     p = AdaptiveK(3)
-    prior = p.acceptance()
+    assert p.acceptance() == [adaptive.PRIOR_ACCEPTANCE] * 3
     for _ in range(200):
         p.observe_verification(3, 1)   # position 0 accepted, 1 rejected, 2 never reached
     c = p.acceptance()
-    assert c[0] > 0.95 and c[1] < 0.05 and c[2] == prior[2]
+    assert c[0] > 0.95 and c[1] < 0.05 and p.reached[2] == 0 and c[2] == pytest.approx(c[1])
+
+
+def test_a_deeper_position_starts_from_the_one_before():
+    """k = 2 in use, every draft accepted: position 3, never drafted, is priced at position 2's acceptance
+    (not a fixed guess below it), so k = 3, 15% dearer than k = 2 for 1 + 3 tokens instead of 1 + 2, is picked;
+    once drafted, its own count takes over."""
+    p = policy_with([1.0, 1.0, 0.0], {2: {1: 1.0}, 3: {1: 1.15}})
+    p.reached[2] = p.accepted[2] = 0.0   # position 3 never reached
+    assert p.acceptance()[2] == pytest.approx(1.0) and p.choose(1) == 3
+    for _ in range(50):
+        p.observe_verification(3, 2)   # the third draft always rejected
+    p.current = None
+    assert p.acceptance()[2] < 0.1 and p.choose(1) == 2
 
 
 def cycling(k_max: int, hold: int = 1):
@@ -214,6 +227,30 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
         runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
         assert passes["mtp0"] == passes["mtp1"] == passes["mtp2"] > 0   # every step, whatever k it drafts
     assert runs[0] == runs[1]
+
+
+def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeypatch):
+    """Adaptive up to 2 over 3 MTP layers (layer 1 chained): a decode step drafting one token runs layer 0 at
+    the accepted index only and writes layer 1's KV alone (fed the main hidden states); drafting none, both
+    only write KV; drafting two, layer 0's outputs everywhere feed layer 1. Greedy tokens stay those of no
+    speculation."""
+    llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
+    monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=2))
+    calls, forward = [], llm.engine.runner.proposer.forward
+
+    def recorded(what, rows, prev_hidden, output_index=None):
+        decode = all(len(r.token_ids) <= 3 for r in rows)
+        calls.append((what, decode, None if output_index is None else len(output_index), len(rows)))
+        return forward(what, rows, prev_hidden, output_index=output_index)
+    llm.engine.runner.proposer.forward = recorded
+    outs = llm.generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
+    plain = LLM(trained3).generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    steps = [calls[i:i + 2] for i in range(0, len(calls), 2)]
+    assert all([c[0] for c in step] == ["mtp0", "mtp1"] for step in steps)
+    kinds = {(c0[2], c1[2]) for (c0, c1) in steps if c0[1] and c0[3] == len(prompts_for())}
+    n = len(prompts_for())
+    assert kinds == {(0, 0), (n, 0), (None, n)}   # drafting 0, 1, 2 in turn
 
 
 def recording_drafts(llm) -> list:

@@ -4,7 +4,10 @@ step after it, to maximise the expected tokens per second.
     tokens per second (k) = E[tokens per request | k] / seconds per step (batch size, k)
 
 E[tokens | k] = 1 + sum_{i=1..k} prod_{j<i} c_j, with c_j the acceptance of draft position j given every
-earlier one was accepted, counted (exponentially decayed, from a prior) over the drafts verified so far, and
+earlier one was accepted, counted (exponentially decayed) over the drafts verified so far, from a prior worth a
+few drafts: for position 1 a fixed guess, for a deeper one the acceptance estimated at the position before (a
+position that only a larger k drafts is reached rarely while a smaller k is in use, and a fixed guess below
+the measured ones would keep that k looking worse than the data has a chance to show), and
 for a request with r tokens left before max_tokens, capped at r (its drafts past r - 1 buy nothing). The
 seconds per step of the k in use are the median of its last steps timed at that batch size (linear in the batch
 size between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs;
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger("mtpserve")
 
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 4.0   # before any draft is verified: a guess worth 4 drafts
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 4.0   # position 1's prior: a guess worth 4 drafts (deeper: the one before)
 DECAY = 0.995                                # per verified draft: the counts follow a drifting workload
 DRAFT_PREMIUM = 0.03                         # each draft must raise the expected tokens/s by 3% (see above)
 SWITCH_MARGIN = 0.02                         # keep the current k unless another is 2% better (no flapping)
@@ -51,7 +54,7 @@ FUSED_SWITCH_MARGIN, FUSED_PROBE_EVERY = 0.05, 96
 class AdaptiveK:
     max_k: int
     reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
-    accepted: list[float] = field(default_factory=list)   # ... and accepted at j
+    accepted: list[float] = field(default_factory=list)   # ... and accepted at j (both decayed counts, no prior)
     timed: dict = field(default_factory=dict)             # k -> {batch size: recent step seconds}
     relative: dict = field(default_factory=dict)          # (k, larger k) -> {size class: recent cost ratios, larger / k}
     current: int | None = None
@@ -67,8 +70,7 @@ class AdaptiveK:
         self.choices = self.choices or [0] * (self.max_k + 1)
 
     def forget_acceptance(self) -> None:
-        self.reached = [PRIOR_WEIGHT] * self.max_k
-        self.accepted = [PRIOR_ACCEPTANCE * PRIOR_WEIGHT] * self.max_k
+        self.reached, self.accepted = [0.0] * self.max_k, [0.0] * self.max_k
 
     # ---- what was measured ----
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
@@ -104,7 +106,11 @@ class AdaptiveK:
 
     # ---- the choice ----
     def acceptance(self) -> list[float]:
-        return [a / r for a, r in zip(self.accepted, self.reached)]
+        out, prior = [], PRIOR_ACCEPTANCE
+        for a, r in zip(self.accepted, self.reached):
+            prior = (a + PRIOR_WEIGHT * prior) / (r + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
 
     def expected_tokens(self, k: int, room: int | None = None) -> float:
         """Tokens a request gets from a step verifying k drafts; room: the most it may still take."""

@@ -104,23 +104,23 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
         # The MTP passes reuse the main pass's metadata: the same tokens' positions and slots. Own layer j
         # (chained) reads the tokens shifted by j+1: known[:, i] is the token at position start + i + 1, the
         # emitted ones then the drafts; past those, the last of them (as spec_decode/mtp.py fills them). A layer
-        # deeper than this step drafts writes its KV only (its cache stays whole).
+        # deeper than this step drafts writes its KV only, fed the main hidden states (MTPProposer._exact_depth).
         known = torch.cat([emitted.clamp_min(0), emitted.new_zeros(batch, k_next)], dim=1)
         columns = torch.arange(q, device=device).unsqueeze(0)
+        exact_depth = max(1, min(k_next, chain_depth))
         outs = hidden
         for j in range(chain_depth):
             if 0 < j <= k_next:
                 known = known.scatter(1, (accepted + j).unsqueeze(1), next_drafts[-1].unsqueeze(1))
             tokens = known.gather(1, torch.minimum(columns + j, (accepted + min(j, k_next)).unsqueeze(1)))
-            deepest = j == chain_depth - 1
-            if not deepest:   # the next own layer reads every output
+            if j + 1 < exact_depth:   # the next own layer reads every output
                 outs = model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j])
-                if j < k_next:
-                    add_draft(j, outs[index])
-            elif j < k_next:   # the last own layer at the accepted index
+                add_draft(j, outs[index])
+            elif j < k_next:   # the last layer drafted at, at the accepted index
                 add_draft(j, model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j], index))
             else:
-                model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j], rows[:0])
+                inputs = outs if j < exact_depth else hidden
+                model.mtp_forward(j, tokens.flatten(), positions, inputs, meta, mtp_caches[j], rows[:0])
         for j in range(chain_depth, k_next):   # layer 0 one token further each, fed the previous draft and output
             # (the first such depth after own layers also covers the positions they drafted at, which layer 0's
             # cache holds nothing for yet: as in spec_decode/mtp.py)

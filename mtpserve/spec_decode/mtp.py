@@ -94,14 +94,17 @@ class MTPProposer:
         # chained passes eagerly.
         chain_depth = self._chain_depth()
         chain = chain_depth > 1
+        exact_depth = self._exact_depth(scheduled, k, bool(prefixes))
         if prefixes:
             hidden = torch.cat([hidden, torch.stack(prefixes)])
-        out = self.forward("mtp0", rows, hidden[hidden_idx], output_index=None if chain else last)
+        main_hidden = hidden[hidden_idx]
+        first_outputs = None if exact_depth > 1 else last if drafting or self.static_shapes else []
+        out = self.forward("mtp0", rows, main_hidden, output_index=first_outputs)
         if not drafting and not chain:   # the pass just filled the MTP cache
             return
         reqs = [scheduled[i].req for i in drafting]
         draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
-        prev_hidden = out[[last[i] for i in drafting]] if chain else out[drafting]
+        prev_hidden = out[[last[i] for i in drafting]] if exact_depth > 1 else out[drafting]
         drafts, draft_probs, depth_hidden = [], [], [prev_hidden]
         if drafting:
             token, probs = self._draft(0, prev_hidden, reqs, draft_positions)
@@ -119,7 +122,10 @@ class MTPProposer:
                     for i, d in zip(drafting, drafts[j - 1].tolist()):
                         known[i] = known[i] + [d]
                 step_rows = [self._chain_row(t, r, j, scheduled[i].samples) for i, (t, r) in enumerate(zip(known, rows))]
-                if j + 1 < chain_depth:   # a deeper own layer reads every output of this one
+                if j >= exact_depth:   # neither drafted nor read at this depth this step: KV from the main hidden states
+                    self.forward(f"mtp{layer}", step_rows, main_hidden, output_index=[])
+                    continue
+                if j + 1 < exact_depth:   # a deeper own layer reads every output of this one
                     chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
                     prev_hidden = chain_hidden[[last[i] for i in drafting]]
                 elif j < k:   # the last own layer: its KV everywhere, its outputs only where a draft is read
@@ -153,6 +159,19 @@ class MTPProposer:
             results[i].next_drafts = drafts[n][:wanted] or None
             if draft_probs[0] is not None and wanted:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
+
+    def _exact_depth(self, scheduled, k: int, handed_over: bool) -> int:
+        """The own layers this step runs as trained (chained, each fed the outputs of the one before); the deeper
+        own layers only write their KV, fed the main model's hidden states instead of the previous layer's
+        outputs. A decode step runs as many as it drafts: an adaptive engine that drafts one token keeps
+        layer 0 at the accepted index (its MoE for one token per request, as fixed k = 1 does) and does not pay
+        for the whole chain. The KV written so is not what the chain would write, and a later step drafting
+        more depths reads it: its drafts differ (deterministically), its verification stays lossless. Steps with
+        prompt chunks (or a handed-over hidden state) run every own layer as trained: a prompt's KV is read
+        by every later step."""
+        chain_depth = self._chain_depth()
+        prompt = handed_over or any(not s.samples or s.num_new_tokens > 1 for s in scheduled)
+        return chain_depth if prompt else max(1, min(k, chain_depth))
 
     def _chain_depth(self) -> int:
         """The depths run with the checkpoint's own layers, chained as trained: min(k, MTP layers), k the most
