@@ -1,175 +1,13 @@
-"""Adaptive speculation length: the choice (expected tokens per second from acceptance and step costs), and
-losslessness while k switches between 0 and its maximum from step to step."""
+"""Adaptive speculation length in the engine: losslessness while k switches between 0 and its maximum from
+step to step, the MTP passes a step runs for the k it drafts, graph mode, and the k reported. (The policy
+itself: test_adaptive_policy.py.)"""
 import pytest
 
 from mtpserve import LLM, SamplingParams
 from mtpserve.spec_decode import adaptive
-from mtpserve.spec_decode.adaptive import AdaptiveK
 from test_spec_decode import (GREEDY, assert_follows, exact_joint, fill_mtp_caches_with_noise,  # noqa: F401
                               prompts_for, trained1, trained3)
 from tiny_models import random_checkpoint
-
-
-def policy_with(acceptance: list[float], seconds: dict) -> AdaptiveK:
-    p = AdaptiveK(len(acceptance), reached=[1e6] * len(acceptance), accepted=[a * 1e6 for a in acceptance])
-    for k, by_batch in seconds.items():
-        for batch, s in by_batch.items():
-            p.observe_step(batch, k, s)
-    return p
-
-
-def test_choice_maximises_expected_tokens_per_second():
-    p = policy_with([0.8, 0.5, 0.2], {0: {1: 1.0, 16: 2.0}, 1: {1: 1.1, 16: 4.0}, 2: {1: 1.2, 16: 5.0},
-                                      3: {1: 1.3, 16: 6.0}})
-    assert p.expected_tokens(0) == 1 and p.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.4)
-    rates = {k: p.expected_tokens(k) / s for k, s in enumerate([1.0, 1.1, 1.2, 1.3])}
-    assert p.choose(1) == max(rates, key=rates.get) == 2          # cheap drafts at batch 1: speculate
-    p.current = None
-    assert p.choose(16) == 0                                       # verification costs too much at 16: plain decode
-    assert p.seconds(8, 1) == pytest.approx(1.1 + (4.0 - 1.1) * 7 / 15)   # interpolated between measured sizes
-    p.current = 2
-    p.timed[1][1].clear()
-    p.observe_step(1, 1, 1.2 * 1.8 / 2.2 * 0.99)                   # k=1 now 1% better than k=2: keep k=2
-    assert p.choose(1) == 2
-
-
-def test_each_draft_must_buy_the_premium():
-    """k = 2 rated 2% above k = 1 (less than the premium per draft): k = 1, the fewer drafts, is chosen; rated
-    10% above it, k = 2."""
-    for gain, picked in ((1.02, 1), (1.10, 2)):
-        p = policy_with([0.8, 0.5], {0: {1: 1.0}, 1: {1: 1.0}, 2: {1: 1.0}})
-        p.timed[2][1].clear()
-        p.observe_step(1, 2, 2.2 / (1.8 * gain))   # rate(2) = gain * rate(1)
-        assert p.rate(1, 2) == pytest.approx(gain * p.rate(1, 1)) and p.choose(1) == picked
-
-
-def test_a_slower_machine_does_not_make_the_other_k_look_cheap():
-    """Calibrated at one speed (k = 1 the best), then the machine slows down twice: the k in use is timed at the
-    new speed, the other k is not. Priced by the ratio measured side by side, it stays behind; priced by its
-    old absolute cost, it would look cheap and be picked."""
-    p = policy_with([0.8, 0.625], {0: {4: 0.9}, 1: {4: 1.0}, 2: {4: 1.5}})
-    p.relate_costs(min_steps=1)
-    assert p.choose(4) == 1
-    for _ in range(adaptive.TIMED_STEPS):
-        p.observe_step(4, 1, 2.0)
-    assert p.seconds(4, 2) == pytest.approx(3.0) and p.seconds(4, 0) == pytest.approx(1.8)
-    assert p.choose(4) == 1
-    stale = p.expected_tokens(2) / adaptive.at_batch(p.timed[2], 4)   # (priced by its old absolute cost)
-    assert stale > p.expected_tokens(1) / p.seconds(4, 1)
-
-
-def test_a_probe_prices_the_pair_both_ways():
-    """A probe of k = 3 while k = 2 is in use updates the one ratio of the pair, which k = 2 is then priced by once
-    k = 3 is in use (two ratios, one per side, disagreed, and the engine switched between the two every step)."""
-    p = policy_with([0.8, 0.7, 0.6], {2: {4: 1.0}, 3: {4: 1.2}})
-    p.relate_costs(min_steps=1)
-    p.current = 2
-    p.observe_step(4, 3, 1.5)                   # the pair's ratio: median of 1.2 and 1.5
-    assert p.seconds(4, 3) == pytest.approx(1.35)
-    p.current = 3
-    for _ in range(adaptive.TIMED_STEPS):
-        p.observe_step(4, 3, 1.35)
-    assert p.seconds(4, 2) == pytest.approx(1.0)
-
-
-def test_expected_tokens_stop_at_max_tokens():
-    """A request with r tokens left gets at most r from a step, so drafts past r - 1 add nothing: with every
-    request one token from its end plain decoding is chosen, even where drafts are cheap and accepted."""
-    p = policy_with([0.9, 0.9, 0.9], {0: {4: 1.0}, 1: {4: 1.01}, 2: {4: 1.02}, 3: {4: 1.03}})
-    assert p.expected_tokens(3, room=2) == pytest.approx(1.9) and p.expected_tokens(3, room=9) == pytest.approx(3.439)
-    assert p.choose(4) == 3
-    p.current = None
-    assert p.choose(4, rooms=[1, 1, 1, 1]) == 0
-    p.current = None
-    assert p.choose(4, rooms=[2, 2, 2, 2]) == 1
-
-
-def test_costs_beyond_the_measured_sizes_follow_the_widest_span():
-    """Timed at batch 1, 15 and 16 (16 a little faster than 15: noise), a batch of 32 is priced on the line
-    through 1 and 16, not on the falling line through 15 and 16, which priced a big k cheap at high load."""
-    p = policy_with([0.8], {1: {1: 1.0, 15: 2.6, 16: 2.5}})
-    assert p.seconds(32, 1) == pytest.approx(1.0 + 1.5 * 31 / 15)
-    assert p.seconds(8, 1) == pytest.approx(1.0 + 1.6 * 7 / 14)
-
-
-def test_costs_are_medians_so_one_slow_step_does_not_decide():
-    p = policy_with([0.8], {0: {1: 1.0}, 1: {1: 1.1}})
-    p.observe_step(1, 1, 50.0)   # a step that also paid a one-off cost (first run of a shape, a page fault)
-    p.observe_step(1, 1, 1.1)
-    assert p.seconds(1, 1) == pytest.approx(1.1) and p.choose(1) == 1
-
-
-def test_probes_find_that_speculation_pays_after_a_bad_start():
-    """The acceptance estimate starts (wrongly) low, so plain decoding looks best; k = 0 verifies no drafts, so
-    only the periodic probes of other k can show that drafts are accepted 90% of the time here."""
-    cost = {0: 1.0, 1: 1.15, 2: 1.3}
-    p = AdaptiveK(2)
-    for k, c in cost.items():
-        p.observe_step(4, k, c)
-    for _ in range(40):            # an unlucky start: 40 verifications, nothing accepted
-        p.observe_verification(2, 0)
-    assert p.choose(4) == 0
-    picked, draw = [], iter(range(10**9))
-    for step in range(600):
-        k = p.choose(4)
-        picked.append(k)
-        for _request in range(4):
-            if k:                  # each draft accepted with probability 0.9 (a fixed pattern)
-                accepted = next((i for i in range(k) if next(draw) % 10 == 0), k)
-                p.observe_verification(k, accepted)
-        p.observe_step(4, k, cost[k])
-    late = picked[-100:]
-    assert max(set(late), key=late.count) == 2
-    assert all(p.choices[k] > 0 for k in cost)
-
-
-def test_probes_time_the_k_they_try():
-    """A probe drafts another k for two steps: the second verifies that k's drafts and drafts as many, the
-    steady step costs are timed on (as the engine's observe does), so a k priced wrongly at start-up is
-    re-timed and then picked."""
-    p = AdaptiveK(2, reached=[1e6] * 2, accepted=[0.9e6] * 2)
-    true_cost = {0: 1.0, 1: 1.1, 2: 1.2}
-    for k, c in true_cost.items():
-        p.observe_step(1, k, c)
-    for _ in range(3):
-        p.observe_step(1, 2, 5.0)   # a noisy start-up calibration
-    previous = None
-    for _ in range(600):
-        k = p.choose(1)
-        if k == previous:           # a steady step: verified k drafts and drafted k
-            p.observe_step(1, k, true_cost[k])
-        previous = k
-    assert p.seconds(1, 2) == pytest.approx(1.2) and p.current == 2
-
-
-def test_probes_try_the_neighbouring_k():
-    """With k = 2 best of 0..3, the probes draft 3 and 1 in turn, never 0 (its one token per step is known)."""
-    p = policy_with([0.8, 0.6, 0.1], {0: {1: 1.0}, 1: {1: 1.1}, 2: {1: 1.2}, 3: {1: 1.3}})
-    picked = [p.choose(1) for _ in range(4 * adaptive.PROBE_EVERY)]
-    assert p.current == 2 and set(picked) == {1, 2, 3} and picked.count(1) == picked.count(3) > 0
-    assert "k = 2 at batch 1" in adaptive.describe(p, 1)
-
-
-def test_acceptance_counts_only_positions_reached():
-    p = AdaptiveK(3)
-    assert p.acceptance() == [adaptive.PRIOR_ACCEPTANCE] * 3
-    for _ in range(200):
-        p.observe_verification(3, 1)   # position 0 accepted, 1 rejected, 2 never reached
-    c = p.acceptance()
-    assert c[0] > 0.95 and c[1] < 0.05 and p.reached[2] == 0 and c[2] == pytest.approx(c[1])
-
-
-def test_a_deeper_position_starts_from_the_one_before():
-    """k = 2 in use, every draft accepted: position 3, never drafted, is priced at position 2's acceptance
-    (not a fixed guess below it), so k = 3, 15% dearer than k = 2 for 1 + 3 tokens instead of 1 + 2, is picked;
-    once drafted, its own count takes over."""
-    p = policy_with([1.0, 1.0, 0.0], {2: {1: 1.0}, 3: {1: 1.15}})
-    p.reached[2] = p.accepted[2] = 0.0   # position 3 never reached
-    assert p.acceptance()[2] == pytest.approx(1.0) and p.choose(1) == 3
-    for _ in range(50):
-        p.observe_verification(3, 2)   # the third draft always rejected
-    p.current = None
-    assert p.acceptance()[2] < 0.1 and p.choose(1) == 2
 
 
 def cycling(k_max: int, hold: int = 1):
@@ -300,6 +138,21 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     assert {what for what, _, q in graph.engine.runner.graphs.graphs if what.startswith("fused")} == {
         "fused", "fused_sampled"}
     assert set(fused_query_lens) == {1, 2, 3}   # k = 0 (plain decoding with the MTP KV passes) fused too
+
+
+def test_calibration_times_the_k_in_turns(trained1, monkeypatch):
+    """Start-up calibration times every k within moments of the others (their ratios price the k not in use,
+    and the machine's speed drifts): its steady steps cycle through k, rather than one k's run after another's,
+    and every pair of k gets a cost ratio."""
+    from mtpserve.spec_decode.adaptive import AdaptiveK
+    timed, observe = [], AdaptiveK.observe_step
+    monkeypatch.setattr(AdaptiveK, "observe_step", lambda self, batch, k, seconds: (
+        timed.append((batch, k)), observe(self, batch, k, seconds)))
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
+    at_64 = [k for batch, k in timed if batch == 64]
+    breaks = sum(b != (a + 1) % 3 for a, b in zip(at_64, at_64[1:]))
+    assert len(at_64) >= 12 and breaks <= 1   # (the one: from the warm-up round to the timed one)
+    assert set(llm.engine.adaptive.relative) == {(0, 1), (0, 2), (1, 2)}
 
 
 def test_adaptive_engine_picks_and_reports_k(trained1):

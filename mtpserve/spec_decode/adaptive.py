@@ -25,8 +25,11 @@ progress of requests started together (as many as 1+k tokens a step for a reques
 for another), so a batch that runs to completion spends more steps at a shrinking batch size, which the rate of
 one step does not see (measured: at batch 32 steps of k = 1, 2 and 3 rated within 5% of each other, while whole
 runs of fixed k = 1 were 10-20% faster than k = 2 and 3).
-k = 0 is plain decoding (the MTP's first pass still runs, without its head, so that its cache stays whole
-for when drafting resumes). Whatever k is picked, verification is lossless: only the number of drafts changes.
+k = 0 is plain decoding (the MTP layers still write their KV, without attention, experts or head, so that their
+caches stay whole for when drafting resumes); a step drafting fewer tokens than the checkpoint has MTP layers
+runs the deeper ones that way too (spec_decode/mtp.py, MTPProposer._exact_depth), so that a step drafting k
+costs about what fixed k's does. Whatever k is picked, verification is lossless: only the number of drafts
+changes.
 """
 import bisect
 import itertools
@@ -243,12 +246,14 @@ def observe(policy: AdaptiveK, steady: int | None, results, k: int, seconds: flo
         policy.observe_step(steady, k, seconds)
 
 
-def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int = 16) -> None:
+def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int = 48) -> None:
     """Start-up: real decode steps for every k at batch sizes 1, 16 and max_num_seqs (up to 64, and at most as
-    many as the KV cache holds at once), timed by the engine's own step loop (observe), on random prompts,
-    twice: the first round only warms up (the first steps of a fresh engine run slow, and would price the first
-    k tried too high). Their acceptance, the engine's spec-decode counters and preemption counts are forgotten
-    afterwards."""
+    many as the KV cache holds at once), timed by the engine's own step loop (observe), on random prompts. The
+    k take turns step by step (each held for two steps, the second a steady one: it verifies and drafts that
+    k), so that every k's steps are timed within moments of the others': their ratios are what the policy
+    prices by, and this machine's speed drifts. Twice: the first round only warms up (the first steps of a
+    fresh engine run slow). Their acceptance, the engine's spec-decode counters and preemption counts are
+    forgotten afterwards."""
     import torch
 
     from mtpserve.sampling_params import SamplingParams
@@ -262,21 +267,23 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int =
     per_request = -(-(prompt_len + max_tokens + engine.max_step_overshoot) // engine.config.block_size)
     most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request))   # (no preemption)
     sizes = sorted({1, min(16, most), min(64, most)})
+    turns = [k for k in range(policy.max_k + 1) for _ in range(2)]
     for timed in (False, True):
         policy.timed.clear()   # (after the warm-up round: its times)
-        for batch in sizes:   # (every k at a batch size one after the other: their ratios are what counts)
-            for k in range(policy.max_k + 1):
-                ids = [f"adaptive-calibration-{timed:d}-{k}-{batch}-{i}" for i in range(batch)]
-                policy.forced = k
-                try:
-                    for rid in ids:
-                        prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
-                        engine.add_request(rid, None, prompt, params)
-                    while engine.has_unfinished_requests():
-                        engine.step()
-                finally:
-                    for rid in ids:
-                        engine.abort_request(rid)
+        for batch in sizes:
+            ids = [f"adaptive-calibration-{timed:d}-{batch}-{i}" for i in range(batch)]
+            try:
+                for rid in ids:
+                    prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
+                    engine.add_request(rid, None, prompt, params)
+                for step in itertools.count():
+                    if not engine.has_unfinished_requests():
+                        break
+                    policy.forced = turns[step % len(turns)]
+                    engine.step()
+            finally:
+                for rid in ids:
+                    engine.abort_request(rid)
     policy.forced, policy.current, policy.choices = None, None, [0] * (policy.max_k + 1)
     policy.relate_costs()
     policy.forget_acceptance()

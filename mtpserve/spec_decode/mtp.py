@@ -8,8 +8,10 @@ last position gives draft 1. Pass j uses MTP layer j if the checkpoint has it, e
 and the previous pass's output hidden state. A layer of its own runs as it was trained: over the same
 positions as pass 0, fed the previous depth's outputs there and the tokens shifted by j+1 (the last one being
 draft j), which also fills its own cache where it belongs (every step runs it, so its cache stays whole;
-graph mode too, where the fused step chains it in its graph, spec_decode/fused.py). Slots written past the
-accepted length are never read before being overwritten.
+graph mode too, where the fused step chains it in its graph, spec_decode/fused.py). A decode step that drafts
+fewer depths than the checkpoint has own layers (adaptive k) runs the chain only as deep as it drafts; the
+deeper own layers write their KV fed the main model's hidden states (MTPProposer._exact_depth). Slots written
+past the accepted length are never read before being overwritten.
 """
 import torch
 
