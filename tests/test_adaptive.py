@@ -159,7 +159,7 @@ def test_adaptive_engine_picks_and_reports_k(trained1):
     llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
     costs = llm.engine.adaptive.step_seconds
     assert set(costs) == {0, 1, 2} and all(costs[k] for k in costs)   # calibrated at start-up, every k
-    assert all({1, 16, 64} <= set(costs[k]) for k in costs)            # ... at 1, 16 and max_num_seqs
+    assert all({1, 4, 16, 64} <= set(costs[k]) for k in costs)         # ... at 1, 4, 16 and max_num_seqs
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     base = [o.outputs[0].token_ids for o in LLM(trained1).generate(prompt_token_ids=prompts_for(), sampling_params=p,
                                                                     use_tqdm=False)]

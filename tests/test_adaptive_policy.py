@@ -68,6 +68,17 @@ def test_a_probe_prices_the_pair_both_ways():
     assert p.seconds(4, 2) == pytest.approx(1.0)
 
 
+def test_ratios_between_measured_sizes_are_interpolated():
+    """Ratios measured at batch 16 (1.5) and 64 (1.9): at 32, between them, k = 3 is priced at 1.7x k = 1, not at
+    the nearest size's 1.5x (which made k = 3 look better there); at 128, past them, at 64's."""
+    p = policy_with([0.8, 0.75, 0.9], {1: {16: 1.0, 64: 1.0}, 3: {16: 1.5, 64: 1.9}})
+    p.relate_costs(min_steps=1)
+    p.current = 1
+    p.observe_step(32, 1, 2.0)
+    assert p.seconds(32, 3) == pytest.approx(2.0 * 1.7) and p.seconds(128, 3) == pytest.approx(p.seconds(128, 1) * 1.9)
+    assert adaptive.ratio_at({5: [1.5], 7: [1.9]}, 16) == 1.5
+
+
 def test_expected_tokens_stop_at_max_tokens():
     """A request with r tokens left gets at most r from a step, so drafts past r - 1 add nothing: with every
     request one token from its end plain decoding is chosen, even where drafts are cheap and accepted."""

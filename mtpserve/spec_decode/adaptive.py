@@ -195,11 +195,20 @@ def size_class(batch: int) -> int:
 
 
 def ratio_at(by_class: dict | None, batch: int) -> float | None:
-    """The median ratio of this batch size's class, or of the nearest class that has one."""
+    """The median ratio of this batch size's class; between classes that have one, interpolated linearly in the
+    class (the ratio moves from launch-bound to compute-bound as the batch grows: at batch 32, between ratios
+    kept at 16 and 64, the nearest one alone was a third off); outside them, the nearest class's."""
     if not by_class:
         return None
-    nearest = min(by_class, key=lambda c: (abs(c - size_class(batch)), c))
-    return statistics.median(by_class[nearest])
+    c = size_class(batch)
+    if c in by_class:
+        return statistics.median(by_class[c])
+    lower, higher = [x for x in by_class if x < c], [x for x in by_class if x > c]
+    if not lower or not higher:
+        return statistics.median(by_class[max(lower) if lower else min(higher)])
+    lo, hi = max(lower), min(higher)
+    r_lo, r_hi = statistics.median(by_class[lo]), statistics.median(by_class[hi])
+    return r_lo + (r_hi - r_lo) * (c - lo) / (hi - lo)
 
 
 def describe(policy: AdaptiveK, batch: int) -> str:
@@ -247,7 +256,7 @@ def observe(policy: AdaptiveK, steady: int | None, results, k: int, seconds: flo
 
 
 def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int = 48) -> None:
-    """Start-up: real decode steps for every k at batch sizes 1, 16 and max_num_seqs (up to 64, and at most as
+    """Start-up: real decode steps for every k at batch sizes 1, 4, 16 and max_num_seqs (up to 64, and at most as
     many as the KV cache holds at once), timed by the engine's own step loop (observe), on random prompts. The
     k take turns step by step (each held for two steps, the second a steady one: it verifies and drafts that
     k), so that every k's steps are timed within moments of the others': their ratios are what the policy
@@ -266,7 +275,7 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int =
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     per_request = -(-(prompt_len + max_tokens + engine.max_step_overshoot) // engine.config.block_size)
     most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request))   # (no preemption)
-    sizes = sorted({1, min(16, most), min(64, most)})
+    sizes = sorted({1, min(4, most), min(16, most), min(64, most)})
     turns = [k for k in range(policy.max_k + 1) for _ in range(2)]
     for timed in (False, True):
         policy.timed.clear()   # (after the warm-up round: its times)
