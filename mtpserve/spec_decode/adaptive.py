@@ -255,14 +255,16 @@ def observe(policy: AdaptiveK, steady: int | None, results, k: int, seconds: flo
         policy.observe_step(steady, k, seconds)
 
 
-def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int = 48) -> None:
+def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int = 96) -> None:
     """Start-up: real decode steps for every k at batch sizes 1, 4, 16 and max_num_seqs (up to 64, and at most as
     many as the KV cache holds at once), timed by the engine's own step loop (observe), on random prompts. The
     k take turns step by step (each held for two steps, the second a steady one: it verifies and drafts that
     k), so that every k's steps are timed within moments of the others': their ratios are what the policy
-    prices by, and this machine's speed drifts. Twice: the first round only warms up (the first steps of a
-    fresh engine run slow). Their acceptance, the engine's spec-decode counters and preemption counts are
-    forgotten afterwards."""
+    prices by, and this machine's speed drifts. Requests long enough for about six steady steps of each k at
+    every size (a step's time varies by 10-20% here: three steps per k left cost ratios a fifth off at batch
+    64), on short prompts (a short max_model_len leaves room for more steps). Twice: the first round only
+    warms up (the first steps of a fresh engine run slow). Their acceptance, the engine's spec-decode counters
+    and preemption counts are forgotten afterwards."""
     import torch
 
     from mtpserve.sampling_params import SamplingParams
@@ -270,8 +272,8 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 32, max_tokens: int =
     started = time.monotonic()
     gen = torch.Generator().manual_seed(0)
     room = engine.max_model_len - engine.max_step_overshoot   # (a short max_model_len: shorter requests)
-    max_tokens = max(1, min(max_tokens, room // 2))
-    prompt_len = max(1, min(prompt_len, room - max_tokens))
+    prompt_len = max(1, min(prompt_len, room // 4))
+    max_tokens = max(1, min(max_tokens, room - prompt_len))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     per_request = -(-(prompt_len + max_tokens + engine.max_step_overshoot) // engine.config.block_size)
     most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request))   # (no preemption)
