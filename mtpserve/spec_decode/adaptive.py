@@ -23,8 +23,10 @@ cost is timed on.)
 Each draft must also buy DRAFT_PREMIUM more tokens per second than the k one fewer: a larger k spreads the
 progress of requests started together (as many as 1+k tokens a step for a request whose drafts are accepted, one
 for another), so a batch that runs to completion spends more steps at a shrinking batch size, which the rate of
-one step does not see (measured: at batch 32 steps of k = 1, 2 and 3 rated within 5% of each other, while whole
-runs of fixed k = 1 were 10-20% faster than k = 2 and 3).
+one step does not see (measured at batch 64, 32 prompt + 64 output tokens, four runs each: the steady steps
+of k = 3 cost 1.65x those of k = 1 for 1.62x the tokens, a tie, while whole runs of k = 3 were 10-12% slower:
+the last requests of k = 3 finished 14-20 steps after the first, taking a third of the run, k = 1's 7-12 steps
+after; about 5% per draft).
 k = 0 is plain decoding (the MTP layers still write their KV, without attention, experts or head, so that their
 caches stay whole for when drafting resumes); a step drafting fewer tokens than the checkpoint has MTP layers
 runs the deeper ones that way too (spec_decode/mtp.py, MTPProposer._exact_depth), so that a step drafting k
@@ -43,7 +45,7 @@ logger = logging.getLogger("mtpserve")
 
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 4.0   # position 1's prior: a guess worth 4 drafts (deeper: the one before)
 DECAY = 0.995                                # per verified draft: the counts follow a drifting workload
-DRAFT_PREMIUM = 0.03                         # each draft must raise the expected tokens/s by 3% (see above)
+DRAFT_PREMIUM = 0.05                         # each draft must raise the expected tokens/s by 5% (see above)
 SWITCH_MARGIN = 0.02                         # keep the current k unless another is 2% better (no flapping)
 TIMED_STEPS = 9                              # step times kept per (k, batch size); their median is the cost
 PROBE_EVERY = 32                             # two steps in this many draft a k other than the best one
