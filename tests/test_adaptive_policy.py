@@ -25,7 +25,7 @@ def test_choice_maximises_expected_tokens_per_second():
     assert p.seconds(8, 1) == pytest.approx(1.1 + (4.0 - 1.1) * 7 / 15)   # interpolated between measured sizes
     p.current = 2
     p.timed[1][1].clear()
-    p.observe_step(1, 1, 1.2 * 1.8 / 2.2 * 0.99)                   # k=1 now 1% better than k=2: keep k=2
+    p.observe_step(1, 1, 1.2 * 1.8 / 2.2 / ((1 - adaptive.DRAFT_PREMIUM) * 1.01))   # k=1 now 1% better: keep k=2
     assert p.choose(1) == 2
 
 
