@@ -135,9 +135,10 @@ def test_bench_latency_synthetic(ckpt, tmp_path):
     assert k2["acceptance_rate"] == pytest.approx(1.0) and k2["mean_acceptance_length"] == pytest.approx(3.0)
 
 
-def test_bench_adaptive(ckpt, tmp_path):
+@pytest.mark.parametrize("lockstep", [[], ["--lockstep"]], ids=["whole-runs", "lockstep"])
+def test_bench_adaptive(ckpt, tmp_path, lockstep):
     rec = run_cli(["bench", "adaptive", "--model", ckpt, "--max-k", "1", "--batch-sizes", "1,2", "--input-len", "5",
-                   "--output-len", "5", "--num-iters", "1"], tmp_path / "adaptive.json")
+                   "--output-len", "5", "--num-iters", "1", *lockstep], tmp_path / "adaptive.json")
     res = rec["results"]
     assert res["configs"] == ["no_mtp", "mtp_k1", "adaptive_k1"] and len(res["rows"]) == 2
     for row in res["rows"]:

@@ -1,16 +1,55 @@
 """`mtpserve bench adaptive`: adaptive speculation length against every fixed k (and no speculation), batch
-size by batch size, side by side: the engines run the same prompts, their iterations interleaved round-robin.
+size by batch size, side by side: the engines run the same prompts, their iterations interleaved round-robin
+(--lockstep: their steps, run_lockstep).
 
 For each batch size: output tokens/s of no_mtp, mtp k=1..K, adaptive(max K); the ratios adaptive / no_mtp and
 adaptive / best fixed configuration; the k the adaptive engine drafted, step by step (a histogram)."""
 import statistics
+import time
 
 from mtpserve.bench import common
 from mtpserve.bench.latency import build_engine, run_batch
 
 
+def run_lockstep(engines: dict, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    """The same batch on every engine, the engines stepping in turns (one step each, round-robin) until all are
+    done; each engine's duration is the sum of its own steps (and request adds). A slow second of a shared machine
+    then hits every engine alike: whole runs back to back differed by up to 30% for the same work here.
+    -> {name: dict(duration, num_output_tokens, spec, tokens)}, greedy, ignore_eos."""
+    from mtpserve.sampling_params import SamplingParams
+    from mtpserve.spec_decode.metrics import SpecDecodeMetrics
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    seconds, tokens = {}, {name: {} for name in engines}
+    for name, eng in engines.items():
+        if eng.spec_metrics is not None:
+            eng.spec_metrics = SpecDecodeMetrics(eng.spec_metrics.num_speculative_tokens)
+        start = time.perf_counter()
+        for rid, prompt in zip(ids, prompts):
+            eng.add_request(rid, None, prompt, params)
+        seconds[name] = time.perf_counter() - start
+    running = list(engines)
+    while running:
+        for name in list(running):
+            start = time.perf_counter()
+            outs = engines[name].step()
+            seconds[name] += time.perf_counter() - start
+            tokens[name].update((o.request_id, list(o.outputs[0].token_ids)) for o in outs if o.finished)
+            if not engines[name].has_unfinished_requests():
+                running.remove(name)
+    out = {}
+    for name, eng in engines.items():
+        m = eng.get_metrics()
+        out[name] = dict(duration=seconds[name], tokens=[tokens[name][rid] for rid in ids],
+                         num_output_tokens=sum(len(tokens[name][rid]) for rid in ids),
+                         spec=common.acceptance_stats(m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"],
+                                                      m["accepted_per_position"]))
+    return out
+
+
 def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
-                 enforce_eager: bool | None, dtype: str = "auto", log=print) -> dict:
+                 enforce_eager: bool | None, dtype: str = "auto", log=print, lockstep: bool = False) -> dict:
+    """lockstep: the engines step in turns over each batch (run_lockstep); else each runs it whole, back to back."""
     max_batch = max(batch_sizes)
     specs = {"no_mtp": None}
     specs.update({f"mtp_k{k}": {"method": "mtp", "num_speculative_tokens": k} for k in range(1, max_k + 1)})
@@ -29,14 +68,15 @@ def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int,
     chosen = {bs: [0] * (max_k + 1) for bs in batch_sizes}
     for it in range(num_iters):
         for bs in batch_sizes:
-            for name, eng in engines.items():
-                before = list(adaptive.adaptive.choices) if eng is adaptive else None
-                r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, tag=f"i{it}b{bs}")
+            batch, tag = prompts[it * bs:(it + 1) * bs], f"i{it}b{bs}"
+            before = list(adaptive.adaptive.choices)
+            runs = run_lockstep(engines, batch, output_len, tag) if lockstep else {
+                name: run_batch(eng, batch, output_len, tag=tag) for name, eng in engines.items()}
+            chosen[bs] = [c + n - b for c, n, b in zip(chosen[bs], adaptive.adaptive.choices, before)]
+            for name, r in runs.items():
                 rates[(bs, name)].append((r["num_output_tokens"], r["duration"]))
                 tokens[(bs, name)].append(r["tokens"])
                 lengths[(bs, name)].append(r["spec"]["mean_acceptance_length"])
-                if before is not None:
-                    chosen[bs] = [c + n - b for c, n, b in zip(chosen[bs], adaptive.adaptive.choices, before)]
                 log(f"  iter {it} batch {bs:3d} {name:14s} {r['duration']:.3f}s")
     rows = []
     for bs in batch_sizes:

@@ -40,6 +40,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _common(ad)
     ad.add_argument("--max-k", type=int, default=3)
     ad.add_argument("--batch-sizes", default="1,8,32,64", help="comma list")
+    ad.add_argument("--lockstep", action="store_true",
+                    help="the engines step in turns over each batch, each timed by its own steps (less drift noise)")
     fu = sub.add_parser("fused", help="graph mode: the fused speculative step vs separate graphs vs no MTP, side by side")
     _common(fu)
     fu.add_argument("--ks", default="1,2", help="comma list of num_speculative_tokens")
@@ -150,7 +152,7 @@ def _latency(args, path: str) -> dict:
 def _adaptive(args, path: str) -> dict:
     from mtpserve.bench import adaptive
     res = adaptive.run_adaptive(path, args.max_k, common.parse_list(args.batch_sizes), args.input_len, args.output_len,
-                                args.num_iters, args.enforce_eager, args.dtype)
+                                args.num_iters, args.enforce_eager, args.dtype, lockstep=args.lockstep)
     print("\n".join(adaptive.table(res)))
     return res
 
