@@ -60,12 +60,31 @@ def test_a_probe_prices_the_pair_both_ways():
     p = policy_with([0.8, 0.7, 0.6], {2: {4: 1.0}, 3: {4: 1.2}})
     p.relate_costs(min_steps=1)
     p.current = 2
+    p.observe_step(4, 2, 1.0)
     p.observe_step(4, 3, 1.5)                   # the pair's ratio: median of 1.2 and 1.5
     assert p.seconds(4, 3) == pytest.approx(1.35)
     p.current = 3
     for _ in range(adaptive.TIMED_STEPS):
         p.observe_step(4, 3, 1.35)
     assert p.seconds(4, 2) == pytest.approx(1.0)
+
+
+def test_a_probe_is_priced_against_the_steps_just_before_it():
+    """Calibrated fast (k = 1 1.0 at batch 1, k = 3 1.3), then served three times slower: the k = 3 probe (3.9) is
+    priced against the in-use steps just before it (3.0), a ratio of 1.3, not against k = 1's times at batch 1
+    from the calibration (a ratio of 3.9, which priced k = 3 out at a server's batch 1)."""
+    p = policy_with([0.8, 0.8, 0.8], {1: {1: 1.0}, 3: {1: 1.3}})
+    for _ in range(6):
+        p.observe_step(1, 1, 1.0)
+    p.relate_costs(min_steps=1)
+    p.current = 1
+    p.observe_step(16, 1, 8.0)
+    for _ in range(4):
+        p.observe_step(1, 1, 3.0)
+    p.observe_step(1, 3, 3.9)
+    assert list(p.relative[(1, 3)][1]) == [pytest.approx(1.3), pytest.approx(1.3)]
+    p.observe_step(16, 3, 20.0)   # the in-use step at batch 16 was five steps ago: no ratio
+    assert 5 not in p.relative[(1, 3)]
 
 
 def test_ratios_between_measured_sizes_are_interpolated():

@@ -12,7 +12,8 @@ for a request with r tokens left before max_tokens, capped at r (its drafts past
 seconds per step of the k in use are the median of its last steps timed at that batch size (linear in the batch
 size between measured sizes), seeded by a calibration at start-up and refreshed by the steps the engine runs;
 another k is priced relative to it, by the ratio of their costs measured side by side (at calibration, then by
-the probes below against the steps just before them), since this machine's speed drifts within minutes. A step
+the probes below against the in-use steps just before them, at the same batch size), since this machine's speed
+drifts within minutes, and a server's steps cost more than the calibration's (HTTP and streaming share the CPU). A step
 is timed as the engine's whole step() call: the forward and the engine's own work on it (detokenising what it
 emitted grows with k; the forward alone rose more slowly with k than the engine's throughput did).
 Every ``probe_every`` steps two steps draft a neighbouring k (one more, one fewer, in turn), so that the costs
@@ -62,6 +63,7 @@ class AdaptiveK:
     accepted: list[float] = field(default_factory=list)   # ... and accepted at j (both decayed counts, no prior)
     timed: dict = field(default_factory=dict)             # k -> {batch size: recent step seconds}
     relative: dict = field(default_factory=dict)          # (k, larger k) -> {size class: recent cost ratios, larger / k}
+    last_in_use: deque = field(default_factory=lambda: deque(maxlen=4))   # (k, batch, seconds) of the last steps
     current: int | None = None
     forced: int | None = None                             # (calibration) k to use whatever the rates say
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
@@ -85,11 +87,14 @@ class AdaptiveK:
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         if self.current is not None and k != self.current:   # a probe: priced against the k in use, timed just before
-            in_use = at_batch(self.timed.get(self.current), batch)
-            if in_use:
+            before = [s for used, b, s in self.last_in_use if used == self.current and b == batch]
+            if before:   # (not the in-use k's median at this size: it may hold times from minutes ago, when a
+                in_use = statistics.median(before)   # server's steps ran at a third of their cost under load)
                 ratio = seconds / in_use if k > self.current else in_use / seconds
                 self.relative.setdefault((min(k, self.current), max(k, self.current)), {}).setdefault(
                     size_class(batch), deque(maxlen=TIMED_STEPS)).append(ratio)
+        else:
+            self.last_in_use.append((k, batch, seconds))
         self.timed.setdefault(k, {}).setdefault(batch, deque(maxlen=TIMED_STEPS)).append(seconds)
 
     def relate_costs(self, min_steps: int = 3) -> None:
