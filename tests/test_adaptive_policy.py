@@ -87,6 +87,22 @@ def test_a_probe_is_priced_against_the_steps_just_before_it():
     assert 5 not in p.relative[(1, 3)]
 
 
+def test_a_pair_two_apart_is_priced_through_its_neighbours():
+    """Calibrated k = 1 : 2 : 3 at 1.0 : 1.2 : 1.4; then probes find k = 2 and 3 dearer under load (ratios 1.5 and
+    1.3). k = 3 is priced against k = 1 through them (1.95), not by the calibration's 1.4, which the probes,
+    always one k away, never refresh: the same prices whichever k is in use."""
+    p = policy_with([0.8, 0.8, 0.8], {1: {4: 1.0}, 2: {4: 1.2}, 3: {4: 1.4}})
+    p.relate_costs(min_steps=1)
+    p.relative[(1, 2)][3] = [1.5]
+    p.relative[(2, 3)][3] = [1.3]
+    p.current = 1
+    assert p.seconds(4, 3) == pytest.approx(1.0 * 1.5 * 1.3)
+    p.current = 3
+    for _ in range(adaptive.TIMED_STEPS):
+        p.observe_step(4, 3, 1.95)
+    assert p.seconds(4, 1) == pytest.approx(1.0) and p.seconds(4, 2) == pytest.approx(1.5)
+
+
 def test_ratios_between_measured_sizes_are_interpolated():
     """Ratios measured at batch 16 (1.5) and 64 (1.9): at 32, between them, k = 3 is priced at 1.7x k = 1, not at
     the nearest size's 1.5x (which made k = 3 look better there); at 128, past them, at 64's."""

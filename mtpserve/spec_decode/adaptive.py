@@ -136,11 +136,24 @@ class AdaptiveK:
         steps just before it, or the calibration): a machine's speed drifts (a shared host's by half within
         minutes, measured), and a cost timed minutes ago, compared with one timed now, would let the drift decide."""
         if self.current is not None and k != self.current:
-            ratio = ratio_at(self.relative.get((min(k, self.current), max(k, self.current))), batch)
+            ratio = self.cost_ratio(min(k, self.current), max(k, self.current), batch)
             in_use = at_batch(self.timed.get(self.current), batch)
             if ratio and in_use:   # (one ratio per pair, so that the two see each other alike: no flapping)
                 return (ratio if k > self.current else 1 / ratio) * in_use
         return at_batch(self.timed.get(k), batch)
+
+    def cost_ratio(self, k: int, larger: int, batch: int) -> float | None:
+        """cost(larger) / cost(k): the product of the neighbouring pairs' ratios between them, which the probes
+        keep measuring (they draft one more or one fewer), else the pair's own (the calibration's). A pair two
+        apart priced by its own ratio kept the calibration's, while its links moved with a server's load: with k = 3
+        in use k = 1 looked as good as 3, with k = 1 in use 2 looked best, and the engine went round in a circle."""
+        product = 1.0
+        for a in range(k, larger):
+            link = ratio_at(self.relative.get((a, a + 1)), batch)
+            if link is None:
+                return ratio_at(self.relative.get((k, larger)), batch)
+            product *= link
+        return product
 
     def rates(self, batch: int, rooms: list[int] | None = None) -> list[float]:
         """Expected tokens per second (per request) for k = 0..max_k; rooms: the requests' tokens left before
