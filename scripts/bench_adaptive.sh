@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 B="mtpserve bench"
 R=docs/bench_results
 if [ "${1:-}" != "--serve-only" ]; then
-$B adaptive --max-k 3 --batch-sizes 1,8,32,64 --input-len 32 --output-len 64 --num-iters 2 \
+$B adaptive --lockstep --max-k 3 --batch-sizes 1,8,32,64 --input-len 32 --output-len 64 --num-iters 2 \
   --output-json $R/adaptive_eager_k3.json
-$B adaptive --graph-mode --max-k 2 --batch-sizes 1,8 --input-len 32 --output-len 64 --num-iters 2 \
+$B adaptive --lockstep --graph-mode --max-k 2 --batch-sizes 1,8 --input-len 32 --output-len 64 --num-iters 2 \
   --output-json $R/adaptive_graph_k2.json
 fi
 # Serving: every configuration's server up at once (an idle one costs nothing), the clients interleaved in

@@ -15,7 +15,7 @@ from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
 from mtpserve.sampling_params import SamplingParams
-from mtpserve.spec_decode import adaptive
+from mtpserve.spec_decode import adaptive, calibration
 from mtpserve.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("mtpserve")
@@ -73,7 +73,7 @@ class LLMEngine:
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="mtpserve-model") if cfg.overlap else None
         self._in_flight: Flight | None = None
         if self.adaptive is not None:
-            adaptive.calibrate(self, self.adaptive)
+            calibration.calibrate(self, self.adaptive)
 
     @property
     def max_num_seqs(self) -> int:
