@@ -25,7 +25,8 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     from mtpserve.spec_decode.metrics import SpecDecodeMetrics
     started = time.monotonic()
     gen = torch.Generator().manual_seed(0)
-    room = engine.max_model_len - engine.max_step_overshoot   # (a short max_model_len: shorter requests)
+    capacity = engine.block_manager.num_blocks * engine.config.block_size   # (a small KV cache, or a short
+    room = min(engine.max_model_len, capacity) - engine.max_step_overshoot    # max_model_len: shorter requests)
     prompt_len = max(1, min(prompt_len, room // 4))
     max_tokens = max(1, min(max_tokens, room - prompt_len))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
