@@ -1,6 +1,5 @@
 """Start-up calibration of adaptive speculation length (spec_decode/adaptive.py): real decode steps of every k,
 timed by the engine's own step loop, so that the policy can price each k from its first step."""
-import itertools
 import logging
 import time
 
@@ -42,11 +41,11 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
                 for rid in ids:
                     prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
                     engine.add_request(rid, None, prompt, params)
-                for step in itertools.count():
-                    if not engine.has_unfinished_requests():
-                        break
+                step = 0
+                while engine.has_unfinished_requests():
                     policy.forced = turns[step % len(turns)]
                     engine.step()
+                    step += 1
             finally:
                 for rid in ids:
                     engine.abort_request(rid)

@@ -26,6 +26,7 @@ import torch
 
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, logits_to_probs, sample, sampling_tensors
+from mtpserve.spec_decode.mtp import decode_exact_depth
 from mtpserve.spec_decode.verifier import stack_draft_probs
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
@@ -107,7 +108,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
         # deeper than this step drafts writes its KV only, fed the main hidden states (MTPProposer._exact_depth).
         known = torch.cat([emitted.clamp_min(0), emitted.new_zeros(batch, k_next)], dim=1)
         columns = torch.arange(q, device=device).unsqueeze(0)
-        exact_depth = max(1, min(k_next, chain_depth))
+        exact_depth = decode_exact_depth(k_next, chain_depth)
         outs = hidden
         for j in range(chain_depth):
             if 0 < j <= k_next:

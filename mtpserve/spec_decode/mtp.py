@@ -19,6 +19,12 @@ from mtpserve.runner.batch import Row
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 
 
+def decode_exact_depth(k: int, chain_depth: int) -> int:
+    """The own layers a decode step drafting k tokens runs as trained (MTPProposer._exact_depth; the fused
+    graphs use the same rule)."""
+    return max(1, min(k, chain_depth))
+
+
 class MTPProposer:
     always_drafts = True
     fuses_with_verification = True   # graph mode: its drafting runs in the fused step's graph (spec_decode/fused.py)
@@ -173,7 +179,7 @@ class MTPProposer:
         by every later step."""
         chain_depth = self._chain_depth()
         prompt = handed_over or any(not s.samples or s.num_new_tokens > 1 for s in scheduled)
-        return chain_depth if prompt else max(1, min(k, chain_depth))
+        return chain_depth if prompt else decode_exact_depth(k, chain_depth)
 
     def _chain_depth(self) -> int:
         """The depths run with the checkpoint's own layers, chained as trained: min(k, MTP layers), k the most
