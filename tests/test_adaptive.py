@@ -4,23 +4,28 @@ itself: test_adaptive_policy.py.)"""
 import pytest
 
 from mtpserve import LLM, SamplingParams
-from mtpserve.spec_decode import adaptive
+from mtpserve.spec_decode import adaptive, mtp
 from test_spec_decode import (GREEDY, assert_follows, exact_joint, fill_mtp_caches_with_noise,  # noqa: F401
-                              prompts_for, trained1, trained3)
+                              prompts_for, run, trained1, trained3)
 from tiny_models import random_checkpoint
 
 
-def cycling(k_max: int, hold: int = 1):
-    """plan_drafts forcing k = 0, 1, ..., k_max, 0, ... step after step (the switches under test), each k for
-    `hold` steps."""
+def forcing(ks: list[int], hold: int = 1):
+    """plan_drafts forcing the k of `ks` in turn, round and round, step after step (the switches under test),
+    each k for `hold` steps."""
     steps = iter(range(10**9))
 
     def plan(policy, scheduled):
-        k = next(steps) // hold % (k_max + 1)
+        k = ks[next(steps) // hold % len(ks)]
         for s in scheduled:
             s.num_next_drafts = k
         return k
     return plan
+
+
+def cycling(k_max: int, hold: int = 1):
+    """k = 0, 1, ..., k_max, 0, ..."""
+    return forcing(list(range(k_max + 1)), hold)
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["plain", "chunked-preempted"])
@@ -44,12 +49,17 @@ def test_greedy_and_seeded_identical_while_k_switches(trained1, monkeypatch, tig
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("budget", [None, 8], ids=["whole-prompts", "chunked"])
-def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
+@pytest.mark.parametrize("budget,ks,max_deferred", [(None, [0, 1, 2, 3], 64), (8, [0, 1, 2, 3], 64),
+                                                    (None, [0, 0, 0, 3, 2, 0, 0, 1, 0], 3)],
+                         ids=["whole-prompts", "chunked", "deferred-to-the-bound-then-chained"])
+def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget, ks, max_deferred):
     """3 MTP layers, adaptive up to 3: the depths with a layer of their own chain it as fixed k does, and every
-    step (prompt chunks, and steps drafting fewer depths) runs each own layer to keep its cache whole: with the
-    MTP caches filled with noise first, drafts and acceptance are the same."""
+    step that runs MTP passes (prompt chunks, and steps drafting fewer depths; steps drafting none defer theirs)
+    runs each own layer to keep its cache whole: with the MTP caches filled with noise first, drafts and
+    acceptance are the same. (The third: steps drafting none defer until a request would owe more than 3
+    positions, and drafting resumes at k = 3, the owed positions run through the whole chain.)"""
     from collections import Counter
+    monkeypatch.setattr(mtp, "MAX_DEFERRED", max_deferred)
     prompts = prompts_for()
     runs = []
     for noise in (False, True):
@@ -58,37 +68,71 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
         runner = llm.engine.runner
         if noise:
             fill_mtp_caches_with_noise(llm)
-        monkeypatch.setattr(adaptive, "plan_drafts", cycling(3))
+        monkeypatch.setattr(adaptive, "plan_drafts", forcing(ks))
         passes, forward = Counter(), runner.proposer.forward
         runner.proposer.forward = lambda what, *a, **kw: passes.update([what]) or forward(what, *a, **kw)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
-        assert passes["mtp0"] == passes["mtp1"] == passes["mtp2"] > 0   # every step, whatever k it drafts
+        assert passes["mtp0"] == passes["mtp1"] == passes["mtp2"] > 0   # every step that runs them
     assert runs[0] == runs[1]
 
 
 def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeypatch):
     """Adaptive up to 2 over 3 MTP layers (layer 1 chained): a decode step drafting one token runs layer 0 at
-    the accepted index only and writes layer 1's KV alone (fed the main hidden states); drafting none, both
-    only write KV; drafting two, layer 0's outputs everywhere feed layer 1. Greedy tokens stay those of no
+    the accepted index only and writes layer 1's KV alone (fed the main hidden states); drafting two, layer 0's
+    outputs everywhere feed layer 1; drafting none, no MTP pass (deferred). Greedy tokens stay those of no
     speculation."""
     llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
     monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=2))
-    calls, forward = [], llm.engine.runner.proposer.forward
+    runner = llm.engine.runner
+    steps, forward, execute = [], runner.proposer.forward, runner.execute
 
     def recorded(what, rows, prev_hidden, output_index=None):
-        decode = all(len(r.token_ids) <= 3 for r in rows)
-        calls.append((what, decode, None if output_index is None else len(output_index), len(rows)))
+        steps[-1][1].append((what, None if output_index is None else len(output_index)))
         return forward(what, rows, prev_hidden, output_index=output_index)
-    llm.engine.runner.proposer.forward = recorded
+
+    def executed(scheduled):
+        decode = all(s.samples and s.num_new_tokens == 1 for s in scheduled) and len(scheduled) == n
+        steps.append((scheduled[0].num_next_drafts if decode else None, []))
+        return execute(scheduled)
+    runner.proposer.forward, runner.execute = recorded, executed
+    n = len(prompts_for())
     outs = llm.generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
     plain = LLM(trained3).generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
-    steps = [calls[i:i + 2] for i in range(0, len(calls), 2)]
-    assert all([c[0] for c in step] == ["mtp0", "mtp1"] for step in steps)
-    kinds = {(c0[2], c1[2]) for (c0, c1) in steps if c0[1] and c0[3] == len(prompts_for())}
-    n = len(prompts_for())
-    assert kinds == {(0, 0), (n, 0), (None, n)}   # drafting 0, 1, 2 in turn
+    kinds = {k: {tuple(calls) for drafted, calls in steps if drafted == k} for k in (0, 1, 2)}
+    assert kinds == {0: {()}, 1: {(("mtp0", n), ("mtp1", 0))}, 2: {(("mtp0", None), ("mtp1", n))}}
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["plain", "chunked-preempted"])
+def test_steps_drafting_nothing_defer_the_mtp_kv(trained1, monkeypatch, tight):
+    """A step drafting none runs no MTP pass; the next one that drafts writes the owed positions' KV first
+    (KV only: layer 0's needs no attention). With the MTP cache filled with noise, every draft is the one an
+    engine writing the KV at each step drafts, and the tokens are those of no speculation; preempted requests
+    drop what they owed (recomputed), and no KV block leaks."""
+    kw = dict(max_num_batched_tokens=8, num_kv_blocks=18, block_size=4) if tight else {}
+    spec = {"num_speculative_tokens": 3, "adaptive": True}
+    runs = []
+    for defer in (True, False):
+        monkeypatch.setattr(mtp, "MAX_DEFERRED", 64 if defer else 0)
+        llm = LLM(trained1, speculative_config=spec, **kw)
+        if defer:
+            fill_mtp_caches_with_noise(llm)
+        monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 0, 1, 0, 0, 3, 2]))
+        drafts, runner = recording_drafts(llm), llm.engine.runner
+        runner.pass_counts.clear()   # (the calibration's)
+        nothing_drafted, execute = [], runner.execute
+        runner.execute = lambda scheduled: nothing_drafted.append(all(
+            s.samples and s.num_new_tokens == 1 and s.num_next_drafts == 0 for s in scheduled)) or execute(scheduled)
+        outs = llm.generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
+        counts = runner.pass_counts
+        runs.append(([o.outputs[0].token_ids for o in outs], drafts, counts["main"], counts["mtp"]))
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    (tokens, drafts, main, mtp_passes), (tokens_kept, drafts_kept, main_kept, mtp_kept) = runs
+    assert tokens == tokens_kept == run(trained1, None, prompts_for(), **kw)[0]
+    assert drafts == drafts_kept
+    assert main == main_kept and mtp_kept - mtp_passes == sum(nothing_drafted) > 0   # (one pass each, kept)
 
 
 def recording_drafts(llm) -> list:

@@ -81,6 +81,28 @@ def test_tp2_matches_one_process(ckpt, kw):
         assert metrics_two["num_accepted_tokens"] > 0
 
 
+def test_tp2_adaptive_k_matches_one_process(ckpt, monkeypatch):
+    """k forced to switch between 0 and 3 (adaptive): steps drafting none defer their MTP KV on every rank
+    alike (each rank's copy of the requests keeps the hidden states; a preempted request drops them), with
+    chunked prefill and preemption."""
+    from mtpserve.spec_decode import adaptive
+    from test_adaptive import forcing
+    kw = dict(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
+              max_num_batched_tokens=8, num_kv_blocks=24, block_size=4)
+    monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 1, 0, 0, 3, 2]))
+    tokens_one, metrics_one = run(reference(ckpt, **kw), MIXED)
+    monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 1, 0, 0, 3, 2]))
+    two = tensor_parallel(ckpt, **kw)
+    try:
+        preempted = count_preemptions(two)
+        tokens_two, metrics_two = run(two, MIXED)
+    finally:
+        two.engine.shutdown()
+    assert tokens_two == tokens_one
+    assert metrics_two == metrics_one and metrics_two["num_accepted_tokens"] > 0
+    assert preempted() > 0, "the configuration was meant to preempt"
+
+
 def count_preemptions(llm):
     scheduler, count = llm.engine.scheduler, [0]
     preempt = scheduler._preempt

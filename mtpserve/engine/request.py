@@ -35,7 +35,7 @@ class Request:
     parent_id: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0                     # tokens whose main and MTP KV are valid
+    num_computed_tokens: int = 0                     # tokens whose main KV is valid (MTP KV too, but mtp_deferred)
     block_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None          # [k, V] when drafts were sampled
@@ -52,6 +52,9 @@ class Request:
     last_hidden: torch.Tensor | None = None          # prefill side: hidden state at the last prompt position
     placeholder_drafts: bool = False                 # decode side: drafts that only pad the step's shape
     mtp_prefix_hidden: torch.Tensor | None = None    # decode side: the MTP input hidden for the position before
+    # (first position, count, [main hidden states, one tensor per step]): positions whose MTP KV steps drafting
+    # nothing left unwritten (spec_decode/mtp.py, MTPProposer._defers)
+    mtp_deferred: tuple[int, int, list[torch.Tensor]] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

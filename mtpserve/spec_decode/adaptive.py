@@ -28,10 +28,11 @@ one step does not see (measured at batch 64, 32 prompt + 64 output tokens, four 
 of k = 3 cost 1.65x those of k = 1 for 1.62x the tokens, a tie, while whole runs of k = 3 were 10-12% slower:
 the last requests of k = 3 finished 14-20 steps after the first, taking a third of the run, k = 1's 7-12 steps
 after; about 5% per draft).
-k = 0 is plain decoding (the MTP layers still write their KV, without attention, experts or head, so that their
-caches stay whole for when drafting resumes); a step drafting fewer tokens than the checkpoint has MTP layers
-runs the deeper ones that way too (spec_decode/mtp.py, MTPProposer._exact_depth), so that a step drafting k
-costs about what fixed k's does. Whatever k is picked, verification is lossless: only the number of drafts
+k = 0 is plain decoding: a decode step drafting nothing runs no MTP pass, it keeps the main hidden states of the
+positions it verified and the next step that drafts writes their MTP KV (without attention, experts or head),
+so that the caches are whole when drafting resumes (spec_decode/mtp.py, MTPProposer._defers); a step drafting
+fewer tokens than the checkpoint has MTP layers runs the deeper ones KV only (MTPProposer._exact_depth), so
+that a step drafting k costs about what fixed k's does. Whatever k is picked, verification is lossless: only the number of drafts
 changes.
 """
 import bisect

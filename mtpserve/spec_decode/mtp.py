@@ -10,13 +10,17 @@ positions as pass 0, fed the previous depth's outputs there and the tokens shift
 draft j), which also fills its own cache where it belongs (every step runs it, so its cache stays whole;
 graph mode too, where the fused step chains it in its graph, spec_decode/fused.py). A decode step that drafts
 fewer depths than the checkpoint has own layers (adaptive k) runs the chain only as deep as it drafts; the
-deeper own layers write their KV fed the main model's hidden states (MTPProposer._exact_depth). Slots written
-past the accepted length are never read before being overwritten.
+deeper own layers write their KV fed the main model's hidden states (MTPProposer._exact_depth). A decode step
+that drafts nothing runs no MTP pass at all: it keeps the main hidden states of the positions it verified, and
+the next step that runs the passes starts them that much earlier (MTPProposer._defers). Slots written past the
+accepted length are never read before being overwritten.
 """
 import torch
 
 from mtpserve.runner.batch import Row
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
+
+MAX_DEFERRED = 64   # positions a request may owe the MTP caches (their main hidden states kept until written)
 
 
 def decode_exact_depth(k: int, chain_depth: int) -> int:
@@ -68,28 +72,48 @@ class MTPProposer:
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
         k = self.next_k(scheduled)
+        if self._defers(scheduled, k):
+            for i, s in enumerate(scheduled):
+                valid = s.num_new_tokens + len(results[i].new_token_ids) - 1
+                n = self._num_deferred(s)
+                kept = s.req.mtp_deferred[2] if n else []
+                s.req.mtp_deferred = (s.start - n, n + valid, kept + [hidden[offsets[i]:offsets[i] + valid].clone()])
+            return
+        self._run_passes(scheduled, hidden, offsets, results, k)
+        for s in scheduled:   # written now (only now: a step that raised is run again, engine._execute_isolating)
+            if s.samples:
+                s.req.mtp_prefix_hidden = s.req.mtp_deferred = None
+
+    def _run_passes(self, scheduled, hidden, offsets, results, k: int) -> None:
         verified = len(scheduled[0].draft_token_ids) if scheduled else 0
         static = self.static_shapes and all(
             s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == verified for s in scheduled)
-        rows, hidden_idx, last, drafting, prefixes = [], [], [], [], []
+        handed_over = any(s.samples and s.req.mtp_prefix_hidden is not None for s in scheduled)
+        rows, hidden_idx, last, drafting, owed = [], [], [], [], []
+        num_owed = 0   # main hidden states of earlier positions, appended after this step's
         for i, s in enumerate(scheduled):
             accepted = len(results[i].new_token_ids) - 1 if s.samples else 0
             valid = s.num_new_tokens + accepted
             tokens = s.req.all_token_ids + results[i].new_token_ids
             start, row_tokens = s.start, tokens[s.start + 1:s.start + valid + 1]
-            prefix = s.req.mtp_prefix_hidden if s.samples else None
-            if prefix is not None:
-                # Handed over with the hidden state of the position before (disagg scheme 2): the MTP input
-                # there is known only now, so the pass starts one position early. (Its drafts were
-                # placeholders, all rejected: valid = 1, and 2 <= 1+k tokens still fit the static shape.)
-                start, row_tokens, valid = start - 1, tokens[s.start:s.start + 1] + row_tokens, valid + 1
-                hidden_idx.append(len(hidden) + len(prefixes))
-                prefixes.append(prefix.to(hidden.dtype))
-                s.req.mtp_prefix_hidden = None
+            earlier = self._owed(s)
+            if earlier is not None:
+                # Positions before this step's whose MTP input is complete only now: handed over with the hidden
+                # state of the position before (disagg scheme 2; its drafts were placeholders, all rejected:
+                # valid = 1, and 2 <= 1+k tokens still fit the static shape), or deferred by steps that drafted
+                # nothing (_defers). The pass starts that much earlier. A step drafting one depth writes their KV
+                # only (layer 0 runs at the accepted index), as the deferred steps would have; one running the
+                # chain as trained (_exact_depth) runs them so too (its attention takes one query per request
+                # or all of them).
+                n = len(earlier)
+                start, row_tokens, valid = start - n, tokens[s.start - n + 1:s.start + 1] + row_tokens, valid + n
+                hidden_idx.extend(range(len(hidden) + num_owed, len(hidden) + num_owed + n))
+                owed.append(earlier.to(hidden.dtype))
+                num_owed += n
             if static:   # the seed's static shapes: 1+k tokens (their KV written), the layer run at the accepted index
                 row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - valid)
             rows.append(Row(row_tokens, start, s.req.block_ids))
-            own = len(row_tokens) - (prefix is not None)
+            own = len(row_tokens) - (0 if earlier is None else len(earlier))
             hidden_idx.extend(range(offsets[i], offsets[i] + own))
             last.append(len(hidden_idx) - len(row_tokens) + valid - 1)
             if s.samples and k:   # (k = 0: the pass only fills the MTP cache, for when drafting resumes)
@@ -102,9 +126,9 @@ class MTPProposer:
         # chained passes eagerly.
         chain_depth = self._chain_depth()
         chain = chain_depth > 1
-        exact_depth = self._exact_depth(scheduled, k, bool(prefixes))
-        if prefixes:
-            hidden = torch.cat([hidden, torch.stack(prefixes)])
+        exact_depth = self._exact_depth(scheduled, k, handed_over)
+        if owed:
+            hidden = torch.cat([hidden, *owed])
         main_hidden = hidden[hidden_idx]
         first_outputs = None if exact_depth > 1 else last if drafting or self.static_shapes else []
         out = self.forward("mtp0", rows, main_hidden, output_index=first_outputs)
@@ -168,6 +192,31 @@ class MTPProposer:
             if draft_probs[0] is not None and wanted:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
 
+    def _defers(self, scheduled, k: int) -> bool:
+        """Whether this step skips its MTP passes: no request drafts (k = 0), all are decoding, and each still
+        has room to owe. The main hidden states of the positions it verifies are kept (Request.mtp_deferred)
+        and their MTP KV written by the next step that runs the passes, KV only (spec_decode/mtp.py, top): an
+        adaptive engine drafting nothing then costs what one without speculation does. (Eager only: graph mode
+        runs k = 0 as a fused graph of its own.)"""
+        return (not self.static_shapes and k == 0 and bool(scheduled) and all(
+            s.samples and s.num_new_tokens == 1 and s.req.mtp_prefix_hidden is None
+            and self._num_deferred(s) + 1 + len(s.draft_token_ids) <= MAX_DEFERRED for s in scheduled))
+
+    @staticmethod
+    def _num_deferred(s) -> int:
+        """Positions just before this step's whose main hidden states are kept (0 when what is kept is stale:
+        a preempted request starts over)."""
+        first, n, _ = s.req.mtp_deferred or (s.start, 0, None)
+        return n if first + n == s.start else 0
+
+    def _owed(self, s) -> torch.Tensor | None:
+        """The main hidden states of the positions just before this step's whose MTP KV is not written yet."""
+        if not s.samples:
+            return None
+        if s.req.mtp_prefix_hidden is not None:
+            return s.req.mtp_prefix_hidden.unsqueeze(0)
+        return torch.cat(s.req.mtp_deferred[2]) if self._num_deferred(s) else None
+
     def _exact_depth(self, scheduled, k: int, handed_over: bool) -> int:
         """The own layers this step runs as trained (chained, each fed the outputs of the one before); the deeper
         own layers only write their KV, fed the main model's hidden states instead of the previous layer's
@@ -200,8 +249,10 @@ class MTPProposer:
 
     def num_passes(self, scheduled) -> int:
         """The MTP passes propose() runs for this step: k when a request drafts, and at least the chained own
-        layers (every step runs them, to keep their caches whole); the first pass alone otherwise."""
-        return max(self.next_k(scheduled), self._chain_depth())
+        layers (every step runs them, to keep their caches whole); the first pass alone otherwise; none when the
+        step defers them (_defers)."""
+        k = self.next_k(scheduled)
+        return 0 if self._defers(scheduled, k) else max(k, self._chain_depth())
 
     def min_last_chunk(self) -> int:
         """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
