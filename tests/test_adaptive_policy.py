@@ -25,18 +25,25 @@ def test_choice_maximises_expected_tokens_per_second():
     assert p.seconds(8, 1) == pytest.approx(1.1 + (4.0 - 1.1) * 7 / 15)   # interpolated between measured sizes
     p.current = 2
     p.timed[1][1].clear()
-    p.observe_step(1, 1, 1.2 * 1.8 / 2.2 / ((1 - adaptive.DRAFT_PREMIUM) * 1.01))   # k=1 now 1% better: keep k=2
+    p.observe_step(1, 1, 1.2 * 1.8 / 2.2 / 1.01)   # k=1 now 1% better (no premium at batch 1): keep k=2
     assert p.choose(1) == 2
 
 
-def test_each_draft_must_buy_the_premium():
-    """k = 2 rated 2% above k = 1 (less than the premium per draft): k = 1, the fewer drafts, is chosen; rated
-    10% above it, k = 2."""
-    for gain, picked in ((1.02, 1), (1.10, 2)):
-        p = policy_with([0.8, 0.5], {0: {1: 1.0}, 1: {1: 1.0}, 2: {1: 1.0}})
-        p.timed[2][1].clear()
-        p.observe_step(1, 2, 2.2 / (1.8 * gain))   # rate(2) = gain * rate(1)
-        assert p.rate(1, 2) == pytest.approx(gain * p.rate(1, 1)) and p.choose(1) == picked
+@pytest.mark.parametrize("batch,gain,picked", [(16, 1.02, 1), (16, 1.10, 2), (1, 1.02, 2)])
+def test_each_draft_must_buy_the_premium(batch, gain, picked):
+    """At batch 16, k = 2 rated 2% above k = 1 (less than the premium per draft): k = 1, the fewer drafts, is
+    chosen; rated 10% above it, k = 2. At batch 1 (no spread of progress to pay for) the better rate wins."""
+    p = policy_with([0.8, 0.5], {0: {batch: 1.0}, 1: {batch: 1.0}, 2: {batch: 1.0}})
+    p.timed[2][batch].clear()
+    p.observe_step(batch, 2, 2.2 / (1.8 * gain))   # rate(2) = gain * rate(1)
+    assert p.rate(batch, 2) == pytest.approx(gain * p.rate(batch, 1)) and p.choose(batch) == picked
+
+
+def test_the_first_draft_pays_no_premium():
+    """At batch 64, k = 1 rated 3% above k = 0: the first draft is worth it (k = 2, 3% above k = 1, is not)."""
+    p = policy_with([0.5, 0.2], {0: {64: 1.0}, 1: {64: 1.5 / 1.03}, 2: {64: 1.6 / 1.03 ** 2}})
+    assert p.rate(64, 1) == pytest.approx(1.03 * p.rate(64, 0)) and p.rate(64, 2) == pytest.approx(1.03 * p.rate(64, 1))
+    assert p.choose(64) == 1
 
 
 def test_a_slower_machine_does_not_make_the_other_k_look_cheap():

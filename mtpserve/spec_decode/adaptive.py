@@ -21,13 +21,16 @@ and the acceptance of the k that could overtake the best stay measured: without 
 verifies nothing) is never reconsidered; a k two away is reached through its neighbour. (Two:
 the first verifies the old k's drafts; the second, verifying and drafting the probed k, is the steady step a
 cost is timed on.)
-Each draft must also buy DRAFT_PREMIUM more tokens per second than the k one fewer: a larger k spreads the
+Each draft past the first must also buy DRAFT_PREMIUM more tokens per second than the k one fewer: a larger k spreads the
 progress of requests started together (as many as 1+k tokens a step for a request whose drafts are accepted, one
 for another), so a batch that runs to completion spends more steps at a shrinking batch size, which the rate of
 one step does not see (measured at batch 64, 32 prompt + 64 output tokens, four runs each: the steady steps
 of k = 3 cost 1.65x those of k = 1 for 1.62x the tokens, a tie, while whole runs of k = 3 were 10-12% slower:
 the last requests of k = 3 finished 14-20 steps after the first, taking a third of the run, k = 1's 7-12 steps
-after; about 5% per draft).
+after; about 5% per draft). A batch of one has no such spread: the premium is DRAFT_PREMIUM * (1 - 1/batch).
+The first draft pays none: measured at batch 64 in lockstep, whole runs of k = 1 were 3-7% faster than no
+speculation while its steady steps were 7% ahead (a spread of one token at most per step costs less than this
+machine's noise shows), and a premium there kept the engine at k = 0.
 k = 0 is plain decoding: a decode step drafting nothing runs no MTP pass, it keeps the main hidden states of the
 positions it verified and the next step that drafts writes their MTP KV (without attention, experts or head),
 so that the caches are whole when drafting resumes (spec_decode/mtp.py, MTPProposer._defers); a step drafting
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 4.0   # position 1's prior: a guess worth 4 drafts (deeper: the one before)
 DECAY = 0.995                                # per verified draft: the counts follow a drifting workload
 DRAFT_PREMIUM = 0.05                         # each draft must raise the expected tokens/s by 5% (see above)
+                                             # (a batch of B: 5% * (1 - 1/B))
 SWITCH_MARGIN = 0.02                         # keep the current k unless another is 2% better (no flapping)
 TIMED_STEPS = 9                              # step times kept per (k, batch size); their median is the cost
 PROBE_EVERY = 32                             # two steps in this many draft a k other than the best one
@@ -172,7 +176,8 @@ class AdaptiveK:
 
     def choose(self, batch: int, rooms: list[int] | None = None) -> int:
         """k for the next step of a batch of this size (rooms: its requests' tokens left after this step)."""
-        values = [r * (1 - DRAFT_PREMIUM) ** k for k, r in enumerate(self.rates(batch, rooms))]
+        premium = DRAFT_PREMIUM * (1 - 1 / batch)
+        values = [r * (1 - premium) ** max(k - 1, 0) for k, r in enumerate(self.rates(batch, rooms))]
         best = max(range(self.max_k + 1), key=lambda k: values[k])
         if self.current is not None and values[self.current] * (1 + self.switch_margin) >= values[best]:
             best = self.current
