@@ -59,7 +59,7 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget, ks, ma
     acceptance are the same. (The third: steps drafting none defer until a request would owe more than 3
     positions, and drafting resumes at k = 3, the owed positions run through the whole chain.)"""
     from collections import Counter
-    monkeypatch.setattr(mtp, "MAX_DEFERRED", max_deferred)
+    monkeypatch.setattr(mtp, "MAX_OWED", max_deferred)
     prompts = prompts_for()
     runs = []
     for noise in (False, True):
@@ -73,15 +73,14 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget, ks, ma
         runner.proposer.forward = lambda what, *a, **kw: passes.update([what]) or forward(what, *a, **kw)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
-        assert passes["mtp0"] == passes["mtp1"] == passes["mtp2"] > 0   # every step that runs them
+        assert passes["mtp0"] >= passes["mtp1"] >= passes["mtp2"] > 0   # the deeper, the more often left owed
     assert runs[0] == runs[1]
 
 
 def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeypatch):
     """Adaptive up to 2 over 3 MTP layers (layer 1 chained): a decode step drafting one token runs layer 0 at
-    the accepted index only and writes layer 1's KV alone (fed the main hidden states); drafting two, layer 0's
-    outputs everywhere feed layer 1; drafting none, no MTP pass (deferred). Greedy tokens stay those of no
-    speculation."""
+    the accepted index only and leaves layer 1's KV owed; drafting two, layer 0's outputs everywhere feed layer 1
+    (which first writes what it owed); drafting none, no MTP pass. Greedy tokens stay those of no speculation."""
     llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
     monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=2))
     runner = llm.engine.runner
@@ -101,7 +100,7 @@ def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeyp
     plain = LLM(trained3).generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     kinds = {k: {tuple(calls) for drafted, calls in steps if drafted == k} for k in (0, 1, 2)}
-    assert kinds == {0: {()}, 1: {(("mtp0", n), ("mtp1", 0))}, 2: {(("mtp0", None), ("mtp1", n))}}
+    assert kinds == {0: {()}, 1: {(("mtp0", n),)}, 2: {(("mtp0", None), ("mtp1", n))}}
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["plain", "chunked-preempted"])
@@ -114,7 +113,7 @@ def test_steps_drafting_nothing_defer_the_mtp_kv(trained1, monkeypatch, tight):
     spec = {"num_speculative_tokens": 3, "adaptive": True}
     runs = []
     for defer in (True, False):
-        monkeypatch.setattr(mtp, "MAX_DEFERRED", 64 if defer else 0)
+        monkeypatch.setattr(mtp, "MAX_OWED", 64 if defer else 0)
         llm = LLM(trained1, speculative_config=spec, **kw)
         if defer:
             fill_mtp_caches_with_noise(llm)
@@ -153,7 +152,10 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     drafting one token): a step that keeps the k of the step before runs the fused graph of that k (greedy and
     sampled; k = 0 too), the others the separate graphs and eager chained passes. Tokens are those of eager without
     speculation, and every step's drafts those of eager adaptive with the same choices of k (the graph
-    engine's MTP caches filled with noise first: a slot read before it is written would change them)."""
+    engine's MTP caches filled with noise first: a slot read before it is written would change them). (Eager
+    here writes every layer's KV at every step, as graph mode does: an eager step leaving a layer owed writes it
+    later, when the tokens the graph step guessed are known, and the drafts read from it differ.)"""
+    monkeypatch.setattr(mtp, "MAX_OWED", 0)
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=3)
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=1.5, top_p=0.95, max_tokens=20, ignore_eos=True, seed=7)]

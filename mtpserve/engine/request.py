@@ -2,10 +2,14 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mtpserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mtpserve.spec_decode.mtp_owed import OwedKV
 
 
 class RequestStatus(enum.Enum):
@@ -35,7 +39,7 @@ class Request:
     parent_id: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0                     # tokens whose main KV is valid (MTP KV too, but mtp_deferred)
+    num_computed_tokens: int = 0                     # tokens whose main KV is valid (MTP KV too, but mtp_owed)
     block_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None          # [k, V] when drafts were sampled
@@ -52,9 +56,7 @@ class Request:
     last_hidden: torch.Tensor | None = None          # prefill side: hidden state at the last prompt position
     placeholder_drafts: bool = False                 # decode side: drafts that only pad the step's shape
     mtp_prefix_hidden: torch.Tensor | None = None    # decode side: the MTP input hidden for the position before
-    # (first position, count, [main hidden states, one tensor per step]): positions whose MTP KV steps drafting
-    # nothing left unwritten (spec_decode/mtp.py, MTPProposer._defers)
-    mtp_deferred: tuple[int, int, list[torch.Tensor]] | None = None
+    mtp_owed: "OwedKV | None" = None                 # MTP KV decode steps left unwritten (spec_decode/mtp_owed.py)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

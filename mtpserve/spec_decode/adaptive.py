@@ -33,7 +33,7 @@ speculation while its steady steps were 7% ahead (a spread of one token at most 
 machine's noise shows), and a premium there kept the engine at k = 0.
 k = 0 is plain decoding: a decode step drafting nothing runs no MTP pass, it keeps the main hidden states of the
 positions it verified and the next step that drafts writes their MTP KV (without attention, experts or head),
-so that the caches are whole when drafting resumes (spec_decode/mtp.py, MTPProposer._defers); a step drafting
+so that the caches are whole when drafting resumes (spec_decode/mtp_owed.py); a step drafting
 fewer tokens than the checkpoint has MTP layers runs the deeper ones KV only (MTPProposer._exact_depth), so
 that a step drafting k costs about what fixed k's does. Whatever k is picked, verification is lossless: only the number of drafts
 changes.

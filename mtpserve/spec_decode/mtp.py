@@ -10,17 +10,16 @@ positions as pass 0, fed the previous depth's outputs there and the tokens shift
 draft j), which also fills its own cache where it belongs (every step runs it, so its cache stays whole;
 graph mode too, where the fused step chains it in its graph, spec_decode/fused.py). A decode step that drafts
 fewer depths than the checkpoint has own layers (adaptive k) runs the chain only as deep as it drafts; the
-deeper own layers write their KV fed the main model's hidden states (MTPProposer._exact_depth). A decode step
-that drafts nothing runs no MTP pass at all: it keeps the main hidden states of the positions it verified, and
-the next step that runs the passes starts them that much earlier (MTPProposer._defers). Slots written past the
-accepted length are never read before being overwritten.
+deeper own layers write their KV fed the main model's hidden states (MTPProposer._exact_depth); an eager one
+leaves them owed, and drafting nothing, runs no MTP pass at all: it keeps the main hidden states of the
+positions it verified, and the next step that runs a layer skipped starts its rows that much earlier
+(spec_decode/mtp_owed.py). Slots written past the accepted length are never read before being overwritten.
 """
 import torch
 
 from mtpserve.runner.batch import Row
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
-
-MAX_DEFERRED = 64   # positions a request may owe the MTP caches (their main hidden states kept until written)
+from mtpserve.spec_decode.mtp_owed import MAX_OWED, LayerRows, after_step, num_owed, owed_kv
 
 
 def decode_exact_depth(k: int, chain_depth: int) -> int:
@@ -72,71 +71,65 @@ class MTPProposer:
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
         k = self.next_k(scheduled)
-        if self._defers(scheduled, k):
-            for i, s in enumerate(scheduled):
-                valid = s.num_new_tokens + len(results[i].new_token_ids) - 1
-                n = self._num_deferred(s)
-                kept = s.req.mtp_deferred[2] if n else []
-                s.req.mtp_deferred = (s.start - n, n + valid, kept + [hidden[offsets[i]:offsets[i] + valid].clone()])
-            return
-        self._run_passes(scheduled, hidden, offsets, results, k)
-        for s in scheduled:   # written now (only now: a step that raised is run again, engine._execute_isolating)
+        chain_depth = self._chain_depth()
+        written = self._written_depth(scheduled, k)
+        owed = [owed_kv(s.req, s.start, chain_depth) if s.samples else None for s in scheduled]
+        if written:
+            self._run_passes(scheduled, hidden, offsets, results, k, written, owed)
+        for i, s in enumerate(scheduled):   # (only now: a step that raised is run again, engine._execute_isolating)
             if s.samples:
-                s.req.mtp_prefix_hidden = s.req.mtp_deferred = None
+                valid = s.num_new_tokens + len(results[i].new_token_ids) - 1
+                s.req.mtp_owed = after_step(owed[i], s.start, written, chain_depth,
+                                            hidden[offsets[i]:offsets[i] + valid])
+                s.req.mtp_prefix_hidden = None
 
-    def _run_passes(self, scheduled, hidden, offsets, results, k: int) -> None:
+    def _run_passes(self, scheduled, hidden, offsets, results, k: int, written: int, owed: list) -> None:
         verified = len(scheduled[0].draft_token_ids) if scheduled else 0
         static = self.static_shapes and all(
             s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == verified for s in scheduled)
         handed_over = any(s.samples and s.req.mtp_prefix_hidden is not None for s in scheduled)
-        rows, hidden_idx, last, drafting, owed = [], [], [], [], []
-        num_owed = 0   # main hidden states of earlier positions, appended after this step's
+        # Each own layer's rows start where its KV is owed (mtp_owed.py): positions before this step's, fed the
+        # main hidden states kept for them (appended after this step's in `source`), then this step's.
+        source, layers, drafting = [hidden], [LayerRows() for _ in range(written)], []
+        num_source = len(hidden)
         for i, s in enumerate(scheduled):
             accepted = len(results[i].new_token_ids) - 1 if s.samples else 0
-            valid = s.num_new_tokens + accepted
+            own = s.num_new_tokens + accepted   # positions s.start.. whose next token is now known
             tokens = s.req.all_token_ids + results[i].new_token_ids
-            start, row_tokens = s.start, tokens[s.start + 1:s.start + valid + 1]
-            earlier = self._owed(s)
-            if earlier is not None:
-                # Positions before this step's whose MTP input is complete only now: handed over with the hidden
-                # state of the position before (disagg scheme 2; its drafts were placeholders, all rejected:
-                # valid = 1, and 2 <= 1+k tokens still fit the static shape), or deferred by steps that drafted
-                # nothing (_defers). The pass starts that much earlier. A step drafting one depth writes their KV
-                # only (layer 0 runs at the accepted index), as the deferred steps would have; one running the
-                # chain as trained (_exact_depth) runs them so too (its attention takes one query per request
-                # or all of them).
-                n = len(earlier)
-                start, row_tokens, valid = start - n, tokens[s.start - n + 1:s.start + 1] + row_tokens, valid + n
-                hidden_idx.extend(range(len(hidden) + num_owed, len(hidden) + num_owed + n))
-                owed.append(earlier.to(hidden.dtype))
-                num_owed += n
+            first = s.start if owed[i] is None else owed[i].row_start(written - 1, s.start)
+            row_tokens = tokens[first + 1:s.start + own + 1]
             if static:   # the seed's static shapes: 1+k tokens (their KV written), the layer run at the accepted index
-                row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - valid)
-            rows.append(Row(row_tokens, start, s.req.block_ids))
-            own = len(row_tokens) - (0 if earlier is None else len(earlier))
-            hidden_idx.extend(range(offsets[i], offsets[i] + own))
-            last.append(len(hidden_idx) - len(row_tokens) + valid - 1)
+                row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - own - (s.start - first))
+            sources = list(range(offsets[i], offsets[i] + len(row_tokens) - (s.start - first)))
+            if first < s.start:
+                source.append(owed[i].hidden_from(first).to(hidden.dtype))
+                sources = list(range(num_source, num_source + s.start - first)) + sources
+                num_source += s.start - first
+            for j, layer in enumerate(layers):
+                at = s.start if owed[i] is None else owed[i].row_start(j, s.start)
+                layer.add(Row(row_tokens[at - first:], at, s.req.block_ids), sources[at - first:],
+                          s.start + own - 1 - at)
             if s.samples and k:   # (k = 0: the pass only fills the MTP cache, for when drafting resumes)
                 drafting.append(i)
         # A checkpoint with its own layer for depth j+1 runs it as trained: over the same positions as depth 1,
         # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
-        # Its cache must be whole wherever a later step attends, so every step runs each own layer of the chain
-        # (prompt chunks and steps that draft fewer depths too: those only write its KV, unless a deeper own
-        # layer needs its outputs). In graph mode only the fused step has the chain in a graph: other steps run
-        # chained passes eagerly.
+        # Its cache must be whole wherever a later step attends: every step writes each own layer of the chain
+        # (prompt chunks and steps that draft fewer depths too: those write its KV only, fed the main hidden
+        # states, unless a deeper own layer needs its outputs; an eager decode step leaves the layers its drafts
+        # do not read owed, _written_depth). In graph mode only the fused step has the chain in a graph: other
+        # steps run chained passes eagerly.
         chain_depth = self._chain_depth()
         chain = chain_depth > 1
         exact_depth = self._exact_depth(scheduled, k, handed_over)
-        if owed:
-            hidden = torch.cat([hidden, *owed])
-        main_hidden = hidden[hidden_idx]
-        first_outputs = None if exact_depth > 1 else last if drafting or self.static_shapes else []
-        out = self.forward("mtp0", rows, main_hidden, output_index=first_outputs)
+        source = torch.cat(source) if len(source) > 1 else hidden
+        first_layer = layers[0]
+        first_outputs = None if exact_depth > 1 else first_layer.last if drafting or self.static_shapes else []
+        out = self.forward("mtp0", first_layer.rows, source[first_layer.sources], output_index=first_outputs)
         if not drafting and not chain:   # the pass just filled the MTP cache
             return
         reqs = [scheduled[i].req for i in drafting]
         draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
-        prev_hidden = out[[last[i] for i in drafting]] if exact_depth > 1 else out[drafting]
+        prev_hidden = out[[first_layer.last[i] for i in drafting]] if exact_depth > 1 else out[drafting]
         drafts, draft_probs, depth_hidden = [], [], [prev_hidden]
         if drafting:
             token, probs = self._draft(0, prev_hidden, reqs, draft_positions)
@@ -144,7 +137,7 @@ class MTPProposer:
         next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
                     for i in drafting]
         if chain:   # every request's rows, prompt chunks too: they fill the own layers' caches at their positions
-            chain_hidden = out   # (one output per row token, in order: `last` indexes it)
+            chain_hidden = out   # (one output per row token of the layer before, in order)
             known = [s.req.all_token_ids + results[i].new_token_ids for i, s in enumerate(scheduled)]
         num_layers = self.model.num_mtp_layers
         for j in range(1, max(k, chain_depth)):
@@ -153,18 +146,22 @@ class MTPProposer:
                 if j <= k:
                     for i, d in zip(drafting, drafts[j - 1].tolist()):
                         known[i] = known[i] + [d]
-                step_rows = [self._chain_row(t, r, j, scheduled[i].samples) for i, (t, r) in enumerate(zip(known, rows))]
-                if j >= exact_depth:   # neither drafted nor read at this depth this step: KV from the main hidden states
-                    self.forward(f"mtp{layer}", step_rows, main_hidden, output_index=[])
+                if j >= written:   # neither drafted nor read at this depth this step: owed (mtp_owed.py)
                     continue
+                rows_j = layers[j]
+                step_rows = [self._chain_row(t, r, j, scheduled[i].samples)
+                             for i, (t, r) in enumerate(zip(known, rows_j.rows))]
+                if j >= exact_depth:   # its KV only, fed the main hidden states
+                    self.forward(f"mtp{layer}", step_rows, source[rows_j.sources], output_index=[])
+                    continue
+                inputs = rows_j.inputs(layers[j - 1], chain_hidden, source)
                 if j + 1 < exact_depth:   # a deeper own layer reads every output of this one
-                    chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
-                    prev_hidden = chain_hidden[[last[i] for i in drafting]]
+                    chain_hidden = self.forward(f"mtp{layer}", step_rows, inputs)
+                    prev_hidden = chain_hidden[[rows_j.last[i] for i in drafting]]
                 elif j < k:   # the last own layer: its KV everywhere, its outputs only where a draft is read
-                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden,
-                                               output_index=last)[drafting]
+                    prev_hidden = self.forward(f"mtp{layer}", step_rows, inputs, output_index=rows_j.last)[drafting]
                 else:   # not drafted at this depth this step: its KV only
-                    self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=[])
+                    self.forward(f"mtp{layer}", step_rows, inputs, output_index=[])
             else:   # a shared layer: one token at the next position, fed the previous pass's last output
                 # (the first depth past a checkpoint's own layers also covers the positions those depths drafted
                 # at, which layer 0's cache holds nothing for yet: as if layer 0 had drafted every depth)
@@ -192,30 +189,19 @@ class MTPProposer:
             if draft_probs[0] is not None and wanted:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
 
-    def _defers(self, scheduled, k: int) -> bool:
-        """Whether this step skips its MTP passes: no request drafts (k = 0), all are decoding, and each still
-        has room to owe. The main hidden states of the positions it verifies are kept (Request.mtp_deferred)
-        and their MTP KV written by the next step that runs the passes, KV only (spec_decode/mtp.py, top): an
-        adaptive engine drafting nothing then costs what one without speculation does. (Eager only: graph mode
-        runs k = 0 as a fused graph of its own.)"""
-        return (not self.static_shapes and k == 0 and bool(scheduled) and all(
+    def _written_depth(self, scheduled, k: int) -> int:
+        """The own MTP layers this step writes (the first ones: a layer written means the ones before it are).
+        All of them, but for an eager step where every request decodes and still has room to owe
+        (mtp_owed.MAX_OWED): that one writes only the layers its drafts read (none when it drafts none), and the
+        next step that runs a skipped layer writes the positions it owes first (mtp_owed.py): an adaptive
+        engine drafting none then costs what one without speculation does, one drafting fewer depths than the
+        checkpoint has own layers what a fixed k of that many does. (Graph mode keeps its static shapes: a
+        fused graph of its own runs k = 0.)"""
+        chain_depth = self._chain_depth()
+        decoding = (not self.static_shapes and bool(scheduled) and all(
             s.samples and s.num_new_tokens == 1 and s.req.mtp_prefix_hidden is None
-            and self._num_deferred(s) + 1 + len(s.draft_token_ids) <= MAX_DEFERRED for s in scheduled))
-
-    @staticmethod
-    def _num_deferred(s) -> int:
-        """Positions just before this step's whose main hidden states are kept (0 when what is kept is stale:
-        a preempted request starts over)."""
-        first, n, _ = s.req.mtp_deferred or (s.start, 0, None)
-        return n if first + n == s.start else 0
-
-    def _owed(self, s) -> torch.Tensor | None:
-        """The main hidden states of the positions just before this step's whose MTP KV is not written yet."""
-        if not s.samples:
-            return None
-        if s.req.mtp_prefix_hidden is not None:
-            return s.req.mtp_prefix_hidden.unsqueeze(0)
-        return torch.cat(s.req.mtp_deferred[2]) if self._num_deferred(s) else None
+            and num_owed(s.req, s.start, chain_depth) + 1 + len(s.draft_token_ids) <= MAX_OWED for s in scheduled))
+        return decode_exact_depth(k, chain_depth) if decoding and k else 0 if decoding else chain_depth
 
     def _exact_depth(self, scheduled, k: int, handed_over: bool) -> int:
         """The own layers this step runs as trained (chained, each fed the outputs of the one before); the deeper
@@ -249,10 +235,11 @@ class MTPProposer:
 
     def num_passes(self, scheduled) -> int:
         """The MTP passes propose() runs for this step: k when a request drafts, and at least the chained own
-        layers (every step runs them, to keep their caches whole); the first pass alone otherwise; none when the
-        step defers them (_defers)."""
-        k = self.next_k(scheduled)
-        return 0 if self._defers(scheduled, k) else max(k, self._chain_depth())
+        layers (every step writes them, to keep their caches whole), but those it leaves owed (_written_depth);
+        the first pass alone otherwise."""
+        k, chain_depth = self.next_k(scheduled), self._chain_depth()
+        written = self._written_depth(scheduled, k)
+        return max(k, chain_depth) - (chain_depth - written) if written else 0
 
     def min_last_chunk(self) -> int:
         """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
