@@ -24,8 +24,10 @@ from mtpserve.executor.multiproc import WorkerFailedError
 from mtpserve.model.checkpoint import write_random_checkpoint
 from mtpserve.model.loader import LoadStats, load_model, quantize_fp8_blockwise
 from mtpserve.model.parallel import TensorParallel, shard_kind, shard_slices
+from mtpserve.spec_decode import adaptive
 from rank_processes import (STARTED, count_graph_runs, end_workers, record_workers, reference,  # noqa: F401
                              watchdog)
+from test_adaptive import forcing
 from tiny_models import trained_checkpoint
 
 
@@ -63,9 +65,17 @@ MIXED = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperat
     dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1, "scorer": "batch_expansion"}),
     dict(speculative_config=None),
     dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}, quantization="fp8"),
-], ids=["mtp_k3_chunked_preempted", "mtp_k1_batch_expansion", "no_spec", "fp8_in_memory"])
-def test_tp2_matches_one_process(ckpt, kw):
+    # adaptive k, forced to switch between 0 and 3: steps leave MTP KV owed on every rank alike (each rank's
+    # copy of the requests keeps the hidden states; a preempted request drops them)
+    dict(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
+         max_num_batched_tokens=8, num_kv_blocks=24, block_size=4),
+], ids=["mtp_k3_chunked_preempted", "mtp_k1_batch_expansion", "no_spec", "fp8_in_memory", "adaptive_k_forced"])
+def test_tp2_matches_one_process(ckpt, kw, monkeypatch):
+    def force_k():   # (plan_drafts runs on the front only; the workers get each step's k with its batch)
+        monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 1, 0, 0, 3, 2]))
+    force_k()
     tokens_one, metrics_one = run(reference(ckpt, **kw), MIXED)
+    force_k()
     two = tensor_parallel(ckpt, **kw)
     try:
         preempted = count_preemptions(two)
@@ -79,28 +89,6 @@ def test_tp2_matches_one_process(ckpt, kw):
         assert preempted() > 0, "the configuration was meant to preempt"
     if kw["speculative_config"]:
         assert metrics_two["num_accepted_tokens"] > 0
-
-
-def test_tp2_adaptive_k_matches_one_process(ckpt, monkeypatch):
-    """k forced to switch between 0 and 3 (adaptive): steps drafting none defer their MTP KV on every rank
-    alike (each rank's copy of the requests keeps the hidden states; a preempted request drops them), with
-    chunked prefill and preemption."""
-    from mtpserve.spec_decode import adaptive
-    from test_adaptive import forcing
-    kw = dict(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
-              max_num_batched_tokens=8, num_kv_blocks=24, block_size=4)
-    monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 1, 0, 0, 3, 2]))
-    tokens_one, metrics_one = run(reference(ckpt, **kw), MIXED)
-    monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 1, 0, 0, 3, 2]))
-    two = tensor_parallel(ckpt, **kw)
-    try:
-        preempted = count_preemptions(two)
-        tokens_two, metrics_two = run(two, MIXED)
-    finally:
-        two.engine.shutdown()
-    assert tokens_two == tokens_one
-    assert metrics_two == metrics_one and metrics_two["num_accepted_tokens"] > 0
-    assert preempted() > 0, "the configuration was meant to preempt"
 
 
 def count_preemptions(llm):
