@@ -21,22 +21,22 @@ and the acceptance of the k that could overtake the best stay measured: without 
 verifies nothing) is never reconsidered; a k two away is reached through its neighbour. (Two:
 the first verifies the old k's drafts; the second, verifying and drafting the probed k, is the steady step a
 cost is timed on.)
-Each draft past the first must also buy DRAFT_PREMIUM more tokens per second than the k one fewer: a larger k spreads the
-progress of requests started together (as many as 1+k tokens a step for a request whose drafts are accepted, one
-for another), so a batch that runs to completion spends more steps at a shrinking batch size, which the rate of
-one step does not see (measured at batch 64, 32 prompt + 64 output tokens, four runs each: the steady steps
-of k = 3 cost 1.65x those of k = 1 for 1.62x the tokens, a tie, while whole runs of k = 3 were 10-12% slower:
+Each draft past the first must also buy DRAFT_PREMIUM more tokens per second than the k one fewer: a larger k
+spreads the progress of requests started together (as many as 1+k tokens a step for a request whose drafts are
+accepted, one for another), so a batch that runs to completion spends more steps at a shrinking batch size, which
+the rate of one step does not see (measured at batch 64, 32 prompt + 64 output tokens, four runs each: the steady
+steps of k = 3 cost 1.65x those of k = 1 for 1.62x the tokens, a tie, while whole runs of k = 3 were 10-12% slower:
 the last requests of k = 3 finished 14-20 steps after the first, taking a third of the run, k = 1's 7-12 steps
-after; about 5% per draft). A batch of one has no such spread: the premium is DRAFT_PREMIUM * (1 - 1/batch).
-The first draft pays none: measured at batch 64 in lockstep, whole runs of k = 1 were 3-7% faster than no
-speculation while its steady steps were 7% ahead (a spread of one token at most per step costs less than this
-machine's noise shows), and a premium there kept the engine at k = 0.
-k = 0 is plain decoding: a decode step drafting nothing runs no MTP pass, it keeps the main hidden states of the
-positions it verified and the next step that drafts writes their MTP KV (without attention, experts or head),
-so that the caches are whole when drafting resumes (spec_decode/mtp_owed.py); a step drafting
-fewer tokens than the checkpoint has MTP layers runs the deeper ones KV only (MTPProposer._exact_depth), so
-that a step drafting k costs about what fixed k's does. Whatever k is picked, verification is lossless: only the number of drafts
-changes.
+after; about 5% per draft). A batch of one has no such spread: the premium is DRAFT_PREMIUM * (1 - 1/batch). The
+first draft pays none: measured at batch 64 in lockstep, whole runs of k = 1 were 3-7% faster than no speculation
+while its steady steps were 7% ahead (a spread of one token at most per step costs less than this machine's noise
+shows), and a premium there kept the engine at k = 0.
+k = 0 is plain decoding: an eager decode step drafting nothing runs no MTP pass; it keeps the main hidden states
+of the positions it verified, and the next step that drafts writes their MTP KV (no attention, experts or head
+needed), so that the caches are whole when drafting resumes; a step drafting fewer tokens than the checkpoint has
+own MTP layers leaves the deeper ones owed the same way (spec_decode/mtp_owed.py; graph mode writes them KV only,
+MTPProposer._exact_depth), so that a step drafting k costs about what fixed k's does. Whatever k is picked,
+verification is lossless: only the number of drafts changes.
 """
 import bisect
 import itertools
