@@ -49,17 +49,17 @@ def test_greedy_and_seeded_identical_while_k_switches(trained1, monkeypatch, tig
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("budget,ks,max_deferred", [(None, [0, 1, 2, 3], 64), (8, [0, 1, 2, 3], 64),
+@pytest.mark.parametrize("budget,ks,max_owed", [(None, [0, 1, 2, 3], 64), (8, [0, 1, 2, 3], 64),
                                                     (None, [0, 0, 0, 3, 2, 0, 0, 1, 0], 3)],
                          ids=["whole-prompts", "chunked", "deferred-to-the-bound-then-chained"])
-def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget, ks, max_deferred):
+def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget, ks, max_owed):
     """3 MTP layers, adaptive up to 3: the depths with a layer of their own chain it as fixed k does, and every
     step that runs MTP passes (prompt chunks, and steps drafting fewer depths; steps drafting none defer theirs)
     runs each own layer to keep its cache whole: with the MTP caches filled with noise first, drafts and
     acceptance are the same. (The third: steps drafting none defer until a request would owe more than 3
     positions, and drafting resumes at k = 3, the owed positions run through the whole chain.)"""
     from collections import Counter
-    monkeypatch.setattr(mtp, "MAX_OWED", max_deferred)
+    monkeypatch.setattr(mtp, "MAX_OWED", max_owed)
     prompts = prompts_for()
     runs = []
     for noise in (False, True):

@@ -19,7 +19,7 @@ import torch
 
 from mtpserve.runner.batch import Row
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
-from mtpserve.spec_decode.mtp_owed import MAX_OWED, LayerRows, after_step, num_owed, owed_kv
+from mtpserve.spec_decode.mtp_owed import MAX_OWED, LayerRows, after_step, owed_kv
 
 
 def decode_exact_depth(k: int, chain_depth: int) -> int:
@@ -70,10 +70,8 @@ class MTPProposer:
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
-        k = self.next_k(scheduled)
-        chain_depth = self._chain_depth()
-        written = self._written_depth(scheduled, k)
-        owed = [owed_kv(s.req, s.start, chain_depth) if s.samples else None for s in scheduled]
+        k, chain_depth, owed = self.next_k(scheduled), self._chain_depth(), self._owed(scheduled)
+        written = self._written_depth(scheduled, k, owed)
         if written:
             self._run_passes(scheduled, hidden, offsets, results, k, written, owed)
         for i, s in enumerate(scheduled):   # (only now: a step that raised is run again, engine._execute_isolating)
@@ -189,7 +187,12 @@ class MTPProposer:
             if draft_probs[0] is not None and wanted:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
 
-    def _written_depth(self, scheduled, k: int) -> int:
+    def _owed(self, scheduled) -> list:
+        """Per request, the MTP KV it owes before this step (mtp_owed.owed_kv), or None."""
+        chain_depth = self._chain_depth()
+        return [owed_kv(s.req, s.start, chain_depth) if s.samples else None for s in scheduled]
+
+    def _written_depth(self, scheduled, k: int, owed: list) -> int:
         """The own MTP layers this step writes (the first ones: a layer written means the ones before it are).
         All of them, but for an eager step where every request decodes and still has room to owe
         (mtp_owed.MAX_OWED): that one writes only the layers its drafts read (none when it drafts none), and the
@@ -200,7 +203,7 @@ class MTPProposer:
         chain_depth = self._chain_depth()
         decoding = (not self.static_shapes and bool(scheduled) and all(
             s.samples and s.num_new_tokens == 1 and s.req.mtp_prefix_hidden is None
-            and num_owed(s.req, s.start, chain_depth) + 1 + len(s.draft_token_ids) <= MAX_OWED for s in scheduled))
+            and (o.count if o else 0) + 1 + len(s.draft_token_ids) <= MAX_OWED for s, o in zip(scheduled, owed)))
         return decode_exact_depth(k, chain_depth) if decoding and k else 0 if decoding else chain_depth
 
     def _exact_depth(self, scheduled, k: int, handed_over: bool) -> int:
@@ -238,7 +241,7 @@ class MTPProposer:
         layers (every step writes them, to keep their caches whole), but those it leaves owed (_written_depth);
         the first pass alone otherwise."""
         k, chain_depth = self.next_k(scheduled), self._chain_depth()
-        written = self._written_depth(scheduled, k)
+        written = self._written_depth(scheduled, k, self._owed(scheduled))
         return max(k, chain_depth) - (chain_depth - written) if written else 0
 
     def min_last_chunk(self) -> int:

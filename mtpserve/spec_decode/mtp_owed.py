@@ -40,11 +40,6 @@ def owed_kv(req, start: int, num_layers: int) -> OwedKV | None:
     return owed if owed is not None and owed.first + owed.count == start else None
 
 
-def num_owed(req, start: int, num_layers: int) -> int:
-    owed = owed_kv(req, start, num_layers)
-    return 0 if owed is None else owed.count
-
-
 def after_step(owed: OwedKV | None, start: int, written: int, num_layers: int,
                new_hidden: torch.Tensor) -> OwedKV | None:
     """The request's debt after a step that wrote the own layers below `written` (each from where it was owed)
