@@ -149,12 +149,13 @@ def recording_drafts(llm) -> list:
 
 def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     """Graph mode with adaptive k (up to 2, 3 MTP layers: layer 1 chained, its KV written also by steps
-    drafting one token): a step that keeps the k of the step before runs the fused graph of that k (greedy and
-    sampled; k = 0 too), the others the separate graphs and eager chained passes. Tokens are those of eager without
-    speculation, and every step's drafts those of eager adaptive with the same choices of k (the graph
-    engine's MTP caches filled with noise first: a slot read before it is written would change them). (Eager
-    here writes every layer's KV at every step, as graph mode does: an eager step leaving a layer owed writes it
-    later, when the tokens the graph step guessed are known, and the drafts read from it differ.)"""
+    drafting one token): a step that keeps the k of the step before, or drafts fewer than it verifies, runs the
+    fused graph of the k it verifies (greedy and sampled; k = 0 too), the others the separate graphs and eager
+    chained passes. Tokens are those of eager without speculation, and every step's drafts those of eager
+    adaptive with the same choices of k (the graph engine's MTP caches filled with noise first: a slot read
+    before it is written would change them). (Eager here drafts as graph mode does: every layer's KV written at
+    every step, where an eager step would leave a layer owed and write it later, when the tokens the graph step
+    guessed are known; and a step switching down drafts as many as it verifies, keeping fewer.)"""
     monkeypatch.setattr(mtp, "MAX_OWED", 0)
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=3)
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
@@ -163,14 +164,15 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     spec = {"num_speculative_tokens": 2, "adaptive": True}
     graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64)
     eager, plain = LLM(path, speculative_config=spec), LLM(path)
+    eager.engine.runner.proposer.switch_down_keeps_depth = True
     fill_mtp_caches_with_noise(graph)
     drafts = [recording_drafts(eager), recording_drafts(graph)]
-    fused_query_lens, run_fused = [], graph.engine.runner.graphs.run_fused
+    fused_ks, fused_step = [], graph.engine.runner._fused_step   # (k verified, k drafted next)
 
-    def recording_run_fused(what, rows, *args):
-        fused_query_lens.append(len(rows[0].token_ids))
-        return run_fused(what, rows, *args)
-    graph.engine.runner.graphs.run_fused = recording_run_fused
+    def recording_fused_step(what, scheduled):
+        fused_ks.append((len(scheduled[0].draft_token_ids), scheduled[0].num_next_drafts))
+        return fused_step(what, scheduled)
+    graph.engine.runner._fused_step = recording_fused_step
     for each in ([params[0]] * 4, [params[0], params[1]] * 2):
         runs = []
         for llm in (plain, eager, graph):
@@ -183,7 +185,8 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     assert drafts[0] == drafts[1] and len(drafts[0]) > 50
     assert {what for what, _, q in graph.engine.runner.graphs.graphs if what.startswith("fused")} == {
         "fused", "fused_sampled"}
-    assert set(fused_query_lens) == {1, 2, 3}   # k = 0 (plain decoding with the MTP KV passes) fused too
+    # k = 0 (plain decoding with the MTP KV passes) fused too, and the switch from 2 down to 0
+    assert set(fused_ks) == {(0, 0), (1, 1), (2, 2), (2, 0)}
 
 
 def test_calibration_times_the_k_in_turns(trained1, monkeypatch):

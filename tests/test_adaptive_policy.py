@@ -219,3 +219,17 @@ def test_a_deeper_position_starts_from_the_one_before():
         p.observe_verification(3, 2)   # the third draft always rejected
     p.current = None
     assert p.acceptance()[2] < 0.1 and p.choose(1) == 2
+
+
+def test_a_step_is_timed_only_after_a_steady_step_of_the_same_k():
+    """The first steady step after a switch of k (or of batch size) runs slower than the ones after it: only
+    steps whose step before was steady at the same k and batch size are timed."""
+    p = AdaptiveK(2)
+    steps = [(None, 1, 9.0),             # a switch step: not steady
+             (1, 1, 5.0), (1, 1, 1.0),   # the first steady k = 1 step after it, then a timed one
+             (1, 2, 7.0), (1, 2, 2.0),   # k changed: again
+             (4, 2, 6.0), (4, 2, 2.5),   # the batch size changed: again
+             (None, 2, 8.0), (4, 2, 9.5), (4, 2, 3.5)]
+    for steady, k, seconds in steps:
+        adaptive.observe(p, steady, [], k, seconds)
+    assert p.step_seconds == {1: {1: 1.0}, 2: {1: 2.0, 4: 3.0}}

@@ -103,11 +103,12 @@ class ModelRunner:
                                              self.generator, self.device)
         outs, probs = self.graphs.run_fused(what, rows, sampling)
         results = []
-        for i, out in enumerate(outs):
+        for i, (s, out) in enumerate(zip(scheduled, outs)):
             accepted = out[1 + k]
+            wanted = k if s.num_next_drafts is None else s.num_next_drafts   # (adaptive k switching down: fewer)
             results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted,
-                                      next_drafts=out[k + 2:] or None,
-                                      next_draft_probs=None if probs is None else probs[i]))
+                                      next_drafts=out[k + 2:k + 2 + wanted] or None,
+                                      next_draft_probs=None if probs is None or not wanted else probs[i][:wanted]))
         return results
 
     def _forward_in_step(self, what, rows, prev_hidden, output_index):

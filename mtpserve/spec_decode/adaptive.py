@@ -16,11 +16,11 @@ the probes below against the in-use steps just before them, at the same batch si
 drifts within minutes, and a server's steps cost more than the calibration's (HTTP and streaming share the CPU). A step
 is timed as the engine's whole step() call: the forward and the engine's own work on it (detokenising what it
 emitted grows with k; the forward alone rose more slowly with k than the engine's throughput did).
-Every ``probe_every`` steps two steps draft a neighbouring k (one more, one fewer, in turn), so that the costs
-and the acceptance of the k that could overtake the best stay measured: without it, a k given up on early (k = 0
-verifies nothing) is never reconsidered; a k two away is reached through its neighbour. (Two:
-the first verifies the old k's drafts; the second, verifying and drafting the probed k, is the steady step a
-cost is timed on.)
+Every ``probe_every`` steps three steps draft a neighbouring k (one more, one fewer, in turn), so that the
+costs and the acceptance of the k that could overtake the best stay measured: without it, a k given up on early
+(k = 0 verifies nothing) is never reconsidered; a k two away is reached through its neighbour. (Three: the first
+verifies the old k's drafts; the second verifies and drafts the probed k, but runs right after a switch, which
+makes it slower than a steady step (see observe); the third is the one a cost is timed on.)
 Each draft past the first must also buy DRAFT_PREMIUM more tokens per second than the k one fewer: a larger k
 spreads the progress of requests started together (as many as 1+k tokens a step for a request whose drafts are
 accepted, one for another), so a batch that runs to completion spends more steps at a shrinking batch size, which
@@ -51,8 +51,8 @@ DRAFT_PREMIUM = 0.05                         # each draft must raise the expecte
                                              # (a batch of B: 5% * (1 - 1/B))
 SWITCH_MARGIN = 0.02                         # keep the current k unless another is 2% better (no flapping)
 TIMED_STEPS = 9                              # step times kept per (k, batch size); their median is the cost
-PROBE_EVERY = 32                             # two steps in this many draft a k other than the best one
-PROBE_STEPS = 2
+PROBE_EVERY = 32                             # three steps in this many draft a k other than the best one
+PROBE_STEPS = 3
 # Graph mode with the fused step: a step that changes k runs outside the fused graph (it verifies one k and
 # drafts another), so there a switch must promise more, and probes (two switches each) come less often.
 FUSED_SWITCH_MARGIN, FUSED_PROBE_EVERY = 0.05, 96
@@ -66,6 +66,7 @@ class AdaptiveK:
     timed: dict = field(default_factory=dict)             # k -> {batch size: recent step seconds}
     relative: dict = field(default_factory=dict)          # (k, larger k) -> {size class: recent cost ratios, larger / k}
     last_in_use: deque = field(default_factory=lambda: deque(maxlen=4))   # (k, batch, seconds) of the last steps
+    last_steady: tuple | None = None                      # (batch, k) of the step before, if it was steady
     current: int | None = None
     forced: int | None = None                             # (calibration) k to use whatever the rates say
     choices: list[int] = field(default_factory=list)      # steps that drafted each k (k = 0..max_k)
@@ -270,9 +271,15 @@ def steady_batch(scheduled, k: int) -> int | None:
 
 
 def observe(policy: AdaptiveK, steady: int | None, results, k: int, seconds: float) -> None:
-    """Acceptance of the drafts verified this step; the step's time when it was steady (steady_batch)."""
+    """Acceptance of the drafts verified this step; the step's time when it was steady (steady_batch) and so was
+    the step before it, at the same batch size and k. (The first steady step after a switch of k runs slower than
+    the steady ones after it, measured in graph mode at batch 1: a fused k = 0 step 2.6-3.1 ms against 2.2 ms,
+    k = 1 3.1-3.8 against 2.8-3.1; the switch step ran other code over other weights, and the caches are cold.
+    Timing it made every k's cost look like what it costs next to a switch.)"""
     for r in results:
         if not isinstance(r, Exception) and r.num_drafts:
             policy.observe_verification(r.num_drafts, r.num_accepted)
-    if steady is not None:
+    settled = steady is not None and policy.last_steady == (steady, k)
+    policy.last_steady = None if steady is None else (steady, k)
+    if settled:
         policy.observe_step(steady, k, seconds)

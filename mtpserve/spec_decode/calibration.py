@@ -11,10 +11,10 @@ logger = logging.getLogger("mtpserve")
 def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int = 96) -> None:
     """Start-up: real decode steps for every k at batch sizes 1, 4, 16 and max_num_seqs (up to 64, and at most as
     many as the KV cache holds at once), timed by the engine's own step loop (observe), on random prompts. The
-    k take turns step by step (each held for two steps, the second a steady one: it verifies and drafts that
-    k), so that every k's steps are timed within moments of the others': their ratios are what the policy
-    prices by, and this machine's speed drifts. Requests long enough for about six steady steps of each k at
-    every size (a step's time varies by 10-20% here: three steps per k left cost ratios a fifth off at batch
+    k take turns step by step (each held for three steps, the third the one timed: it verifies and drafts that
+    k after a step that did too; adaptive.observe), so that every k's steps are timed within moments of the
+    others': their ratios are what the policy prices by, and this machine's speed drifts. Requests long enough
+    for about six timed steps of each k at every size (a step's time varies by 10-20% here: three steps per k left cost ratios a fifth off at batch
     64), on short prompts (a short max_model_len leaves room for more steps). Twice: the first round only
     warms up (the first steps of a fresh engine run slow). Their acceptance, the engine's spec-decode counters
     and preemption counts are forgotten afterwards."""
@@ -32,7 +32,7 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     per_request = -(-(prompt_len + max_tokens + engine.max_step_overshoot) // engine.config.block_size)
     most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request))   # (no preemption)
     sizes = sorted({1, min(4, most), min(16, most), min(64, most)})
-    turns = [k for k in range(policy.max_k + 1) for _ in range(2)]
+    turns = [k for k in range(policy.max_k + 1) for _ in range(3)]
     for timed in (False, True):
         policy.timed.clear()   # (after the warm-up round: its times)
         for batch in sizes:

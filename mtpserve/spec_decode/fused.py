@@ -164,16 +164,17 @@ def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> l
 
 def fused_graph(runner, scheduled) -> str | None:
     """The fused graph this step can run as (built when runner.builds_fused_step): "fused" when every request
-    is greedy, "fused_sampled" when some sample; None when some request is not
-    decoding (one pending token plus k drafts, k more wanted: with adaptive k, the k of the step before; k = 0,
-    plain decoding, has a graph of its own under adaptive k) or is handed over or held for a hand-off."""
+    is greedy, "fused_sampled" when some sample; None when some request is not decoding (one pending token plus
+    k drafts, at most k wanted next: adaptive k keeps the k of the step before, or switches down, and then the
+    step drafts k and each request keeps what it wants, MTPProposer.next_k; k = 0, plain decoding, has a graph
+    of its own under adaptive k) or is handed over or held for a hand-off."""
     if not scheduled or not runner.builds_fused_step:
         return None
     k = len(scheduled[0].draft_token_ids)
     wanted = runner.spec.num_speculative_tokens
     if not all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k
                and not s.req.placeholder_drafts and not s.req.hold_kv and s.req.mtp_prefix_hidden is None
-               and (wanted if s.num_next_drafts is None else s.num_next_drafts) == k for s in scheduled):
+               and (wanted if s.num_next_drafts is None else s.num_next_drafts) <= k for s in scheduled):
         return None
     what = "fused" if all(s.req.params.greedy for s in scheduled) else "fused_sampled"
     return what if runner.graphs.fits_fused(what, scheduled, k) else None

@@ -37,6 +37,9 @@ class MTPProposer:
         static_shapes: graph mode, whose first pass always covers 1+k tokens per request."""
         self.model, self.spec, self.forward, self.generator, self.device = model, spec, forward, generator, device
         self.static_shapes = static_shapes
+        # graph mode: a decode step drafting fewer tokens than it verifies drafts as many as it verifies, and
+        # each request keeps the ones it asked for (next_k)
+        self.switch_down_keeps_depth = static_shapes
 
     @classmethod
     def check(cls, model_config, spec) -> None:
@@ -63,10 +66,17 @@ class MTPProposer:
         return first + ([("mtp0", 1)] if shared_depths else [])
 
     def next_k(self, scheduled) -> int:
-        """Drafts this step proposes: the most any sampling request asks for (adaptive speculation)."""
+        """Drafts this step proposes: the most any sampling request asks for (adaptive speculation). With
+        switch_down_keeps_depth, a decode step drafts at least as many as it verifies, and each request keeps
+        the drafts it asked for: in graph mode such a step (adaptive k switching down) runs as the fused graph of
+        the k it verifies (spec_decode/fused.py), two thirds of the unfused step's time at batch 1, and the
+        unfused path drafts as it does, so that both leave the same drafts and MTP KV."""
         wanted = [self.spec.num_speculative_tokens if s.num_next_drafts is None else s.num_next_drafts
                   for s in scheduled if s.samples]
-        return max(wanted, default=0)
+        k = max(wanted, default=0)
+        if self.switch_down_keeps_depth and wanted and all(s.samples and s.num_new_tokens == 1 for s in scheduled):
+            k = max(k, max(len(s.draft_token_ids) for s in scheduled))
+        return k
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
