@@ -14,8 +14,9 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     k take turns step by step (each held for three steps, the third the one timed: it verifies and drafts that
     k after a step that did too; adaptive.observe), so that every k's steps are timed within moments of the
     others': their ratios are what the policy prices by, and this machine's speed drifts. Requests long enough
-    for about six timed steps of each k at every size (a step's time varies by 10-20% here: three steps per k left cost ratios a fifth off at batch
-    64), on short prompts (a short max_model_len leaves room for more steps). Twice: the first round only
+    for about five timed steps of each k at every size (a step's time varies by 10-20% here: three steps per k
+    left cost ratios a fifth off at batch 64), on short prompts (a short max_model_len leaves room for more
+    steps). Twice: the first round only
     warms up (the first steps of a fresh engine run slow). Their acceptance, the engine's spec-decode counters
     and preemption counts are forgotten afterwards."""
     import torch
