@@ -150,12 +150,14 @@ def recording_drafts(llm) -> list:
 def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     """Graph mode with adaptive k (up to 2, 3 MTP layers: layer 1 chained, its KV written also by steps
     drafting one token): a step that keeps the k of the step before, or drafts fewer than it verifies, runs the
-    fused graph of the k it verifies (greedy and sampled; k = 0 too), the others the separate graphs and eager
+    fused graph of the k it verifies (greedy and sampled; k = 0 too); one switching up, that of the k it drafts,
+    its drafts padded with guesses where its KV blocks have room; the others the separate graphs and eager
     chained passes. Tokens are those of eager without speculation, and every step's drafts those of eager
     adaptive with the same choices of k (the graph engine's MTP caches filled with noise first: a slot read
     before it is written would change them). (Eager here drafts as graph mode does: every layer's KV written at
     every step, where an eager step would leave a layer owed and write it later, when the tokens the graph step
-    guessed are known; and a step switching down drafts as many as it verifies, keeping fewer.)"""
+    guessed are known; a step switching down drafts as many as it verifies, keeping fewer; one switching up pads
+    its drafts.)"""
     monkeypatch.setattr(mtp, "MAX_OWED", 0)
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=3)
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
@@ -165,6 +167,8 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64)
     eager, plain = LLM(path, speculative_config=spec), LLM(path)
     eager.engine.runner.proposer.switch_down_keeps_depth = True
+    eager.engine.runner.pads_switch_ups = True
+    calibration_padded = graph.engine.runner.pass_counts["switch_up_padded"]
     fill_mtp_caches_with_noise(graph)
     drafts = [recording_drafts(eager), recording_drafts(graph)]
     fused_ks, fused_step = [], graph.engine.runner._fused_step   # (k verified, k drafted next)
@@ -185,8 +189,11 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     assert drafts[0] == drafts[1] and len(drafts[0]) > 50
     assert {what for what, _, q in graph.engine.runner.graphs.graphs if what.startswith("fused")} == {
         "fused", "fused_sampled"}
-    # k = 0 (plain decoding with the MTP KV passes) fused too, and the switch from 2 down to 0
+    # k = 0 (plain decoding with the MTP KV passes) fused too, and the switch from 2 down to 0; switches up
+    # (0 -> 1, 1 -> 2) padded with guesses to the fused graph of the k they switch to, alike in both engines
     assert set(fused_ks) == {(0, 0), (1, 1), (2, 2), (2, 0)}
+    padded = graph.engine.runner.pass_counts["switch_up_padded"] - calibration_padded
+    assert padded > 0 and padded == eager.engine.runner.pass_counts["switch_up_padded"]
 
 
 def test_calibration_times_the_k_in_turns(trained1, monkeypatch):

@@ -58,6 +58,7 @@ class ModelRunner:
         self.builds_fused_step = (self.graphs is not None and dp is None and self.proposer is not None
                                   and self.proposer.fuses_with_verification and spec.fused_graph_step
                                   and spec.synthetic_acceptance is None and spec.scorer == "mqa")
+        self.pads_switch_ups = self.builds_fused_step   # adaptive k switching up: fused too (fused.pad_switch_up)
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
@@ -152,6 +153,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (engine/scheduler.py)
+        scheduled, switched_up_from = fused.pad_switch_up(self, scheduled)
+        if switched_up_from is not None:
+            self.pass_counts["switch_up_padded"] += 1
+            return fused.count_real_drafts(self._execute(scheduled), switched_up_from)
+        return self._execute(scheduled)
+
+    def _execute(self, scheduled: list) -> list[StepResult]:
         if self.dp is not None:
             self._planned_passes, self._passes_run = self._mtp_passes(scheduled), 0
             if not scheduled:   # nothing here: the same forwards as the others, on padding
