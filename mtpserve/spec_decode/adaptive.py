@@ -53,9 +53,9 @@ SWITCH_MARGIN = 0.02                         # keep the current k unless another
 TIMED_STEPS = 9                              # step times kept per (k, batch size); their median is the cost
 PROBE_EVERY = 32                             # three steps in this many draft a k other than the best one
 PROBE_STEPS = 3
-# Graph mode with the fused step: a step that switches k up runs outside the fused graph (it verifies fewer
-# drafts than it drafts; one switching down runs the fused graph of the k it verifies), so there a switch must
-# promise more, and probes come less often.
+# Graph mode with the fused step: a step that switches k runs the fused graph of the larger k (fused.py:
+# switching down it drops drafts, switching up it pads them with guesses), or, where that cannot be, the slower
+# separate graphs; so there a switch must promise more, and probes come less often.
 FUSED_SWITCH_MARGIN, FUSED_PROBE_EVERY = 0.05, 96
 
 
