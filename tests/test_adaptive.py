@@ -211,6 +211,37 @@ def test_calibration_times_the_k_in_turns(trained1, monkeypatch):
     assert set(llm.engine.adaptive.relative) == {(0, 1), (0, 2), (1, 2)}
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["step-call", "until-next-step"])
+def test_a_server_times_a_step_until_the_next_one_starts(trained1, monkeypatch, apart):
+    """Behind a server (AsyncEngine sets time_steps_apart) a step's cost includes the caller's work until the
+    next step starts (streaming, stats); offline, the step() call alone. An abort drops the pending time (the
+    next step may come after an idle wait)."""
+    import time
+    from mtpserve.engine.async_engine import AsyncEngine
+    from mtpserve.spec_decode.adaptive import AdaptiveK
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
+    engine = llm.engine
+    if apart:
+        AsyncEngine(engine).shutdown()
+    assert engine.time_steps_apart == apart
+    timed, observe = [], AdaptiveK.observe_step
+    monkeypatch.setattr(AdaptiveK, "observe_step", lambda self, batch, k, seconds: (
+        timed.append(seconds), observe(self, batch, k, seconds)))
+    monkeypatch.setattr(adaptive, "plan_drafts", forcing([1]))
+    engine.add_request("a", None, prompts_for()[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+        time.sleep(0.05)   # the caller's work between steps
+    engine.abort_request("a")
+    assert len(timed) >= 5 and all((s >= 0.05) == apart for s in timed)
+    assert engine._untimed is None
+    time.sleep(0.3)   # idle
+    engine.add_request("b", None, prompts_for()[1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert max(timed) < 0.3   # (the aborted request's last step was not timed across the idle wait)
+
+
 def test_adaptive_engine_picks_and_reports_k(trained1):
     llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
     costs = llm.engine.adaptive.step_seconds

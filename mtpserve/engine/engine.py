@@ -72,6 +72,10 @@ class LLMEngine:
         self.overlap = cfg.overlap
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="mtpserve-model") if cfg.overlap else None
         self._in_flight: Flight | None = None
+        # adaptive k: a step timed until the next one starts, where the caller's work between steps costs a step
+        # too (a server's loop: streaming, stats; set by AsyncEngine); else the step() call alone (offline)
+        self.time_steps_apart = False
+        self._untimed: tuple | None = None   # (time_steps_apart) the last step's observation, awaiting its time
         if self.adaptive is not None:
             calibration.calibrate(self, self.adaptive)
 
@@ -118,6 +122,7 @@ class LLMEngine:
         self.children[request_id] = children
 
     def abort_request(self, request_id: str) -> None:
+        self._observe_untimed(None)   # (the next step may come after an idle wait: no time for this one)
         for req in self.children.get(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
@@ -136,6 +141,7 @@ class LLMEngine:
         model thread, and the outputs returned are the step before's, finished (detokenised, stop strings
         checked) while this one runs."""
         started = time.perf_counter()
+        self._observe_untimed(started)
         done = self._collect() if self._in_flight is not None else None
         self._in_flight = self._launch()
         if not self.overlap and self._in_flight is not None:
@@ -145,8 +151,20 @@ class LLMEngine:
         flight, results, progressed, appended = done
         outputs = self._finish_outputs(progressed, appended)
         if self.adaptive is not None:   # the whole call: the forward and the engine's own work on the step
-            adaptive.observe(self.adaptive, flight.steady_batch, results, flight.k_next, time.perf_counter() - started)
+            observation = (flight.steady_batch, results, flight.k_next, started)
+            if self.time_steps_apart and self.has_unfinished_requests():   # ... and what runs until the next
+                self._untimed = observation
+            else:
+                adaptive.observe(self.adaptive, *observation[:3], time.perf_counter() - started)
         return outputs
+
+    def _observe_untimed(self, next_started: float | None) -> None:
+        """The last step's observation, timed until the next step started (None: not timed)."""
+        if self._untimed is not None:
+            steady, results, k, started = self._untimed
+            self._untimed = None
+            adaptive.observe(self.adaptive, steady if next_started else None, results, k,
+                             (next_started or started) - started)
 
     def _launch(self) -> Flight | None:
         scheduled = self.scheduler.schedule()

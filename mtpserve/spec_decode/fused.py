@@ -191,7 +191,7 @@ def pad_switch_up(runner, scheduled) -> tuple[list, int | None]:
     Returns the step's requests (copies, padded) and k, or them unchanged and None when the step is not such a
     switch, some request samples drafts from a distribution (a guess has none to verify against), or some
     request's KV blocks lack the slots the fused step writes (1 + 2k' from its first position: the scheduler
-    reserved them for k drafts, before k' was chosen)."""
+    reserved them for k drafts, before k' was chosen), or no fused graph fits the padded step."""
     if not scheduled or not runner.pads_switch_ups:
         return scheduled, None
     k, wanted = len(scheduled[0].draft_token_ids), scheduled[0].num_next_drafts
@@ -206,6 +206,8 @@ def pad_switch_up(runner, scheduled) -> tuple[list, int | None]:
     for s in scheduled:
         guess = (s.draft_token_ids or s.req.all_token_ids[s.start:s.start + 1])[-1]
         padded.append(replace(s, draft_token_ids=s.draft_token_ids + [guess] * (wanted - k)))
+    if runner.builds_fused_step and fused_graph(runner, padded) is None:   # (no graph of this batch's shape)
+        return scheduled, None
     return padded, k
 
 
