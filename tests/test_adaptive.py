@@ -213,7 +213,7 @@ def test_calibration_times_the_k_in_turns(trained1, monkeypatch):
 
 @pytest.mark.parametrize("apart", [False, True], ids=["step-call", "until-next-step"])
 def test_a_server_times_a_step_until_the_next_one_starts(trained1, monkeypatch, apart):
-    """Behind a server (AsyncEngine sets time_steps_apart) a step's cost includes the caller's work until the
+    """Behind a server (AsyncEngine sets step_timing.apart) a step's cost includes the caller's work until the
     next step starts (streaming, stats); offline, the step() call alone. An abort drops the pending time (the
     next step may come after an idle wait)."""
     import time
@@ -223,7 +223,7 @@ def test_a_server_times_a_step_until_the_next_one_starts(trained1, monkeypatch, 
     engine = llm.engine
     if apart:
         AsyncEngine(engine).shutdown()
-    assert engine.time_steps_apart == apart
+    assert engine.step_timing.apart == apart
     timed, observe = [], AdaptiveK.observe_step
     monkeypatch.setattr(AdaptiveK, "observe_step", lambda self, batch, k, seconds: (
         timed.append(seconds), observe(self, batch, k, seconds)))
@@ -234,7 +234,7 @@ def test_a_server_times_a_step_until_the_next_one_starts(trained1, monkeypatch, 
         time.sleep(0.05)   # the caller's work between steps
     engine.abort_request("a")
     assert len(timed) >= 5 and all((s >= 0.05) == apart for s in timed)
-    assert engine._untimed is None
+    assert engine.step_timing.pending is None
     time.sleep(0.3)   # idle
     engine.add_request("b", None, prompts_for()[1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     while engine.has_unfinished_requests():

@@ -80,8 +80,8 @@ class AsyncEngine:
         """on_outputs(outputs, now) / on_abort(request_id): called on the engine thread after each step /
         abort (metrics); on_fatal(): once, when the engine can run no more steps."""
         self.engine = engine
-        if hasattr(engine, "time_steps_apart"):   # adaptive k: this loop's work between steps costs them too
-            engine.time_steps_apart = True
+        if getattr(engine, "step_timing", None) is not None:   # adaptive k: this loop's work between steps
+            engine.step_timing.apart = True                      # costs them too
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_queue_len = max_queue_len

@@ -1,6 +1,5 @@
 """The engine loop: schedule -> execute -> update (DESIGN.md section 2)."""
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -11,7 +10,8 @@ from mtpserve.engine.flight import Flight, snapshot
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, request_seed
 from mtpserve.engine.scheduler import Scheduler
-from mtpserve.engine.setup import engine_config, engine_setup, is_front
+from mtpserve.engine.setup import engine_config, engine_setup, is_front, load_tokenizer
+from mtpserve.engine.step_timing import StepTiming
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
 from mtpserve.sampling_params import SamplingParams
@@ -19,14 +19,6 @@ from mtpserve.spec_decode import adaptive, calibration
 from mtpserve.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("mtpserve")
-
-
-def load_tokenizer(path: str):
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(
-            os.path.join(path, "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
 
 
 class LLMEngine:
@@ -72,10 +64,7 @@ class LLMEngine:
         self.overlap = cfg.overlap
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="mtpserve-model") if cfg.overlap else None
         self._in_flight: Flight | None = None
-        # adaptive k: a step timed until the next one starts, where the caller's work between steps costs a step
-        # too (a server's loop: streaming, stats; set by AsyncEngine); else the step() call alone (offline)
-        self.time_steps_apart = False
-        self._untimed: tuple | None = None   # (time_steps_apart) the last step's observation, awaiting its time
+        self.step_timing = StepTiming(self.adaptive) if self.adaptive is not None else None
         if self.adaptive is not None:
             calibration.calibrate(self, self.adaptive)
 
@@ -122,7 +111,8 @@ class LLMEngine:
         self.children[request_id] = children
 
     def abort_request(self, request_id: str) -> None:
-        self._observe_untimed(None)   # (the next step may come after an idle wait: no time for this one)
+        if self.step_timing is not None:
+            self.step_timing.untimed()
         for req in self.children.get(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
@@ -141,7 +131,8 @@ class LLMEngine:
         model thread, and the outputs returned are the step before's, finished (detokenised, stop strings
         checked) while this one runs."""
         started = time.perf_counter()
-        self._observe_untimed(started)
+        if self.step_timing is not None:
+            self.step_timing.step_started(started)
         done = self._collect() if self._in_flight is not None else None
         self._in_flight = self._launch()
         if not self.overlap and self._in_flight is not None:
@@ -150,21 +141,10 @@ class LLMEngine:
             return []
         flight, results, progressed, appended = done
         outputs = self._finish_outputs(progressed, appended)
-        if self.adaptive is not None:   # the whole call: the forward and the engine's own work on the step
-            observation = (flight.steady_batch, results, flight.k_next, started)
-            if self.time_steps_apart and self.has_unfinished_requests():   # ... and what runs until the next
-                self._untimed = observation
-            else:
-                adaptive.observe(self.adaptive, *observation[:3], time.perf_counter() - started)
+        if self.step_timing is not None:   # the whole call: the forward and the engine's own work on the step
+            self.step_timing.step_done(flight.steady_batch, results, flight.k_next, started,
+                                       self.has_unfinished_requests())
         return outputs
-
-    def _observe_untimed(self, next_started: float | None) -> None:
-        """The last step's observation, timed until the next step started (None: not timed)."""
-        if self._untimed is not None:
-            steady, results, k, started = self._untimed
-            self._untimed = None
-            adaptive.observe(self.adaptive, steady if next_started else None, results, k,
-                             (next_started or started) - started)
 
     def _launch(self) -> Flight | None:
         scheduled = self.scheduler.schedule()

@@ -16,7 +16,7 @@ the probes below against the in-use steps just before them, at the same batch si
 drifts within minutes, and a server's steps cost more than the calibration's (HTTP and streaming share the CPU). A step
 is timed as the engine's whole step() call: the forward and the engine's own work on it (detokenising what it
 emitted grows with k; the forward alone rose more slowly with k than the engine's throughput did); behind a
-server, until the next step starts (LLMEngine.time_steps_apart: the loop's streaming and stats between steps).
+server, until the next step starts (engine/step_timing.py: the loop's streaming and stats between steps).
 Every ``probe_every`` steps three steps draft a neighbouring k (one more, one fewer, in turn), so that the
 costs and the acceptance of the k that could overtake the best stay measured: without it, a k given up on early
 (k = 0 verifies nothing) is never reconsidered; a k two away is reached through its neighbour. (Three: the first

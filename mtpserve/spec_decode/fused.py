@@ -174,12 +174,18 @@ def fused_graph(runner, scheduled) -> str | None:
         return None
     k = len(scheduled[0].draft_token_ids)
     wanted = runner.spec.num_speculative_tokens
-    if not all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k
-               and not s.req.placeholder_drafts and not s.req.hold_kv and s.req.mtp_prefix_hidden is None
-               and (wanted if s.num_next_drafts is None else s.num_next_drafts) <= k for s in scheduled):
+    if not all(_decodes(s, k) and (wanted if s.num_next_drafts is None else s.num_next_drafts) <= k
+               for s in scheduled):
         return None
     what = "fused" if all(s.req.params.greedy for s in scheduled) else "fused_sampled"
     return what if runner.graphs.fits_fused(what, scheduled, k) else None
+
+
+def _decodes(s, k: int) -> bool:
+    """Request s runs a decode step a fused graph can take: its pending token and k drafts, neither handed
+    over nor held for a hand-off."""
+    return (s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and not s.req.placeholder_drafts
+            and not s.req.hold_kv and s.req.mtp_prefix_hidden is None)
 
 
 def pad_switch_up(runner, scheduled) -> tuple[list, int | None]:
@@ -196,8 +202,7 @@ def pad_switch_up(runner, scheduled) -> tuple[list, int | None]:
         return scheduled, None
     k, wanted = len(scheduled[0].draft_token_ids), scheduled[0].num_next_drafts
     if wanted is None or wanted <= k or not all(
-            s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and s.num_next_drafts == wanted
-            and not s.req.placeholder_drafts and not s.req.hold_kv and s.req.mtp_prefix_hidden is None
+            _decodes(s, k) and s.num_next_drafts == wanted
             and len(s.req.block_ids) * runner.block_size >= s.start + 1 + 2 * wanted for s in scheduled):
         return scheduled, None
     if runner.spec.draft_sampling == "probabilistic" and not all(s.req.params.greedy for s in scheduled):
