@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overlap", action="store_true",
                    help="run each step on a model thread while the engine finishes the step before (one process)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads per rank on the CPU (default: the node's cores divided among its ranks; "
+                        "`serve`: one core fewer, left to the HTTP server)")
 
 
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
@@ -93,7 +96,7 @@ def engine_kwargs(args) -> dict:
     kwargs = dict(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                   dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
-                  overlap=args.overlap,
+                  overlap=args.overlap, cpu_threads=args.cpu_threads,
                   **graph_kwargs(args), **parallel_kwargs(args))
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens

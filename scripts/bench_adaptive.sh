@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B="mtpserve bench"
-R=docs/bench_results
+R=${R:-docs/bench_results}
 if [ "${1:-}" != "--serve-only" ]; then
 $B adaptive --lockstep --max-k 3 --batch-sizes 1,8,32,64 --input-len 32 --output-len 64 --num-iters 2 \
   --output-json $R/adaptive_eager_k3.json
@@ -44,7 +44,7 @@ for round in $(seq 1 $ROUNDS); do
     done
   done
 done
-SPECS="$SPECS" ROUNDS="$ROUNDS" python - <<'PY'
+R="$R" SPECS="$SPECS" ROUNDS="$ROUNDS" python - <<'PY'
 import json, os, statistics
 specs, rounds = os.environ["SPECS"].split(), int(os.environ["ROUNDS"])
 fixed = [s for s in specs if not s.startswith("adaptive") and not s.endswith("_overlap")]
@@ -54,7 +54,7 @@ print("| concurrency | " + " | ".join(specs) + " | adaptive vs none | adaptive v
 print("|---" * (len(specs) + 3) + "|")
 tpot_at = {}
 for c in (1, 4, 16, 32):
-    tpot = tpot_at[c] = {s: statistics.median(json.load(open(f"docs/bench_results/serve_adaptive_{s}_c{c}_r{r}.json"))
+    tpot = tpot_at[c] = {s: statistics.median(json.load(open(f"{os.environ['R']}/serve_adaptive_{s}_c{c}_r{r}.json"))
                                  ["results"]["tpot_ms"]["median"] for r in range(1, rounds + 1)) for s in specs}
     best = min(fixed, key=tpot.get)
     print(f"| {c} | " + " | ".join(f"{tpot[s]:.1f}" for s in specs) +

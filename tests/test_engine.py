@@ -34,8 +34,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.mark.parametrize("engine_kwargs", [
     dict(),
     dict(max_num_batched_tokens=8),                                    # chunked prefill mixed with decodes
+    dict(max_num_batched_tokens=24),   # chunks longer than a decode row beside decodes: they attend apart
     dict(max_num_batched_tokens=8, num_kv_blocks=13, block_size=4),     # preemption by recompute
-], ids=["plain", "chunked", "preempt"])
+], ids=["plain", "chunked", "chunked-long", "preempt"])
 def test_greedy_matches_transformers(ckpt, engine_kwargs):
     llm = LLM(ckpt, **engine_kwargs)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
@@ -173,3 +174,14 @@ def test_a_request_that_breaks_the_step_fails_alone(ckpt):
     assert failed.outputs[0].finish_reason == "error" and "Overflow" in failed.error
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not engine.requests
+
+
+def test_cpu_threads_is_applied_and_checked(ckpt):
+    before = torch.get_num_threads()
+    try:
+        LLM(ckpt, cpu_threads=before + 1)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match=r"cpu_threads = 0: must be an integer >= 1"):
+        LLM(ckpt, cpu_threads=0)

@@ -195,6 +195,38 @@ def test_rejected_draft_kv_is_overwritten(paged_model, mode):
     assert max_diff(model.compute_logits(verify[1:]), dense[11:14]) > 1e-2   # the drafts did differ
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_decodes_and_prompt_chunks_attend_apart_exactly(paged_model, split):
+    """A step mixing a decode row with a prompt chunk longer than ABSORB_MAX_QUERY_LEN: the engine's batch
+    (build_batch) attends the two kinds apart (absorbed for the decode, expanded for the chunk); logits equal
+    the dense pass over each whole sequence, split or not."""
+    from mtpserve.runner.batch import Row, build_batch
+    model = paged_model
+    lengths = (14, 12)
+    gen = torch.Generator().manual_seed(21)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+    with torch.no_grad():
+        dense = [model.compute_logits(model.forward_dense(s[None]))[0] for s in seqs]
+    run = PagedRun(model, lengths, seed=9)
+    tables = [run.block_tables[r].tolist() for r in range(2)]
+    steps = [[(0, 0, 12)], [(0, 12, 13), (1, 0, 10)], [(0, 13, 14), (1, 10, 12)]]   # (request, start, end)
+    got = [[], []]
+    for step in steps:
+        rows = [Row(seqs[r][a:b].tolist(), a, tables[r]) for r, a, b in step]
+        ids, pos, meta = build_batch(rows, BLOCK_SIZE, "cpu", split=split)
+        mixed = len(step) == 2 and step[1][2] - step[1][1] > 8
+        assert (meta.parts is not None) == (split and mixed)
+        if meta.parts is not None:
+            assert [part.max_query_len for _, part in meta.parts] == [1, 10]
+        with torch.no_grad():
+            h = model(ids, pos, meta, run.kv_caches)
+        offsets = meta.query_start_loc.tolist()
+        for i, (r, _, _) in enumerate(step):
+            got[r].append(model.compute_logits(h[offsets[i]:offsets[i + 1]]))
+    for r in range(2):
+        assert max_diff(torch.cat(got[r]), dense[r]) < TOL, f"request {r}"
+
+
 def test_absorbed_and_expanded_mla_agree(paged_model):
     model = paged_model
     ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(9))

@@ -398,3 +398,15 @@ def test_queue_full_is_503():
         finally:
             ae.shutdown()
     asyncio.run(main())
+
+
+def test_serve_leaves_a_core_to_the_http_server(monkeypatch):
+    """`mtpserve serve` on the CPU: the model's threads per rank are the node's cores but one, over its ranks."""
+    import argparse
+    from mtpserve.serve.server import add_serve_args, check_serve_args
+    for cores, argv, want in [(16, [], 15), (16, ["-tp", "2"], 7), (16, ["--cpu-threads", "3"], 3), (2, [], 1),
+                              (1, [], 1), (2, ["-tp", "2"], 1)]:
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        args = add_serve_args(argparse.ArgumentParser()).parse_args(argv)
+        check_serve_args(args)
+        assert args.cpu_threads == want, (cores, argv)

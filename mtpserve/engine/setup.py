@@ -43,6 +43,8 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
     lookahead = drafter.lookahead_slots(spec) if drafter is not None else 0
     check_int_in_range("tensor_parallel_size", cfg.tensor_parallel_size, 1, None)
     check_int_in_range("data_parallel_size", cfg.data_parallel_size, 1, None)
+    if cfg.cpu_threads is not None:
+        check_int_in_range("cpu_threads", cfg.cpu_threads, 1, None)
     tp, ep = parallel_layout(cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.enable_expert_parallel)
     launch = Launch.from_torchrun_env(tp.size * cfg.data_parallel_size) or Launch(
         tp.size * cfg.data_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)

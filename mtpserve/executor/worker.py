@@ -84,8 +84,8 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
     can hold), loads this rank's shard and builds (and warms up) its runner."""
     cfg, launch = setup.config, setup.launch
     device = rank_device(setup.device_type, rank, launch)
-    if device.type == "cpu" and launch.world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.ranks_per_node))
+    if device.type == "cpu" and (cfg.cpu_threads or launch.world_size > 1):
+        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // launch.ranks_per_node))
     group, control = (None, None) if launch.world_size == 1 else join(rank, launch, device)
     tp, ep = parallel_layout(cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.enable_expert_parallel, rank, group)
     num_blocks = cfg.num_kv_blocks or kv_blocks_from_memory(setup, device)

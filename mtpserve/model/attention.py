@@ -39,6 +39,11 @@ class AttentionMetadata:
     token_col: torch.Tensor | None = None   # [N] index of each token inside its request's query block
     mask: torch.Tensor | None = None        # [B, 1, max_q, max_kv] True = may attend
     keys_buffer: torch.Tensor | None = None  # eager only: gathered cache blocks, reused layer after layer
+    # A batch mixing decode rows (a few query tokens) with prompt chunks: (flat token indices, metadata) of each
+    # kind, attending apart. Together every row would be padded to the longest chunk and take the expanded
+    # form (shipped model, 31 decodes + one 32-token prompt, eager: 93 ms a step against 29 for the decodes
+    # alone and ~8 for the prompt alone).
+    parts: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None
 
     def select(self, index: torch.Tensor) -> "AttentionMetadata":
         """Metadata for one query token per request (`index`: one flat token index per request, in request
@@ -78,6 +83,14 @@ def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor, meta: "Attention
     if meta.keys_buffer is None or meta.keys_buffer.shape != shape or meta.keys_buffer.dtype != kv_cache.dtype:
         meta.keys_buffer = kv_cache.new_empty(shape)
     return torch.index_select(kv_cache, 0, blocks, out=meta.keys_buffer)
+
+
+def cached_keys(kv_cache: torch.Tensor, meta: "AttentionMetadata", dtype: torch.dtype) -> torch.Tensor:
+    """Each request's cached latent KV, [B, max_seq_len, r + rope], from its blocks."""
+    batch = meta.seq_lens.shape[0]
+    tables = meta.block_tables[:, :-(-meta.max_seq_len // kv_cache.shape[1])]
+    keys = gather_blocks(kv_cache, tables.flatten(), meta).view(batch, -1, kv_cache.shape[-1])
+    return keys[:, :meta.max_seq_len].to(dtype)
 
 
 @torch.library.custom_op("mtpserve::gather_cache_blocks", mutates_args=())
@@ -187,19 +200,27 @@ class MLAttention(nn.Module):
         q = q.view(n, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.rotary[0](positions, q_pe)
-
-        batch = meta.seq_lens.shape[0]
         if kv_cache is None:
-            keys = self.latent_kv(kv_a, positions).view(batch, meta.max_seq_len, -1)
+            keys = self.latent_kv(kv_a, positions).view(meta.seq_lens.shape[0], meta.max_seq_len, -1)
+            out = self._attend(q_nope, q_pe, meta, keys)
         else:
             if meta.slot_mapping is not None:   # (None: the caller wrote this batch's KV already)
                 kv_new = self.latent_kv(kv_a, positions)
                 kv_cache.view(-1, kv_cache.shape[-1])[meta.slot_mapping] = kv_new.to(kv_cache.dtype)
-            num_blocks = -(-meta.max_seq_len // kv_cache.shape[1])
-            tables = meta.block_tables[:, :num_blocks]
-            keys = gather_blocks(kv_cache, tables.flatten(), meta).view(batch, -1, kv_cache.shape[-1])
-            keys = keys[:, :meta.max_seq_len].to(x.dtype)
+            if meta.parts:   # decode rows and prompt chunks attend apart (AttentionMetadata.parts)
+                out = q_nope.new_empty(n, self.num_heads, self.v_dim)
+                for tokens, part in meta.parts:
+                    out[tokens] = self._attend(q_nope[tokens], q_pe[tokens], part,
+                                               cached_keys(kv_cache, part, x.dtype))
+            else:
+                out = self._attend(q_nope, q_pe, meta, cached_keys(kv_cache, meta, x.dtype))
+        return linear(out.reshape(n, self.num_heads * self.v_dim), weight_of(self.o_proj),
+                      self.o_proj.bias if self.adds_o_bias else None)
 
+    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,
+                keys: torch.Tensor) -> torch.Tensor:
+        """[N, H, nope], [N, H, rope] queries over keys [B, max_seq_len, r + rope] -> [N, H, v]."""
+        n, batch = q_nope.shape[0], meta.seq_lens.shape[0]
         uniform = n == batch * meta.max_query_len   # every row has max_query_len tokens: a plain view
 
         def to_padded(t):  # [N, H, d] -> [B, H, max_q, d]
@@ -224,17 +245,14 @@ class MLAttention(nn.Module):
             mask = meta.mask.expand(-1, self.num_heads, -1, -1).reshape(batch, -1, scores.shape[-1])
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(c.dtype)
             out = small_bmm(probs, c).view(batch, self.num_heads, meta.max_query_len, -1)
-            out = self._absorb_values(from_padded(out))
-        else:
-            kv = F.linear(c, self.kv_b_proj.weight).view(batch, -1, self.num_heads, self.nope_dim + self.v_dim)
-            k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
-            key = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
-            query = to_padded(torch.cat([q_nope, q_pe], dim=-1))
-            out = F.scaled_dot_product_attention(query, key.transpose(1, 2), value.transpose(1, 2),
-                                                 attn_mask=meta.mask, scale=self.scale)
-            out = from_padded(out)                                                # [N, H, v]
-        return linear(out.reshape(n, self.num_heads * self.v_dim), weight_of(self.o_proj),
-                      self.o_proj.bias if self.adds_o_bias else None)
+            return self._absorb_values(from_padded(out))
+        kv = F.linear(c, self.kv_b_proj.weight).view(batch, -1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        key = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        query = to_padded(torch.cat([q_nope, q_pe], dim=-1))
+        out = F.scaled_dot_product_attention(query, key.transpose(1, 2), value.transpose(1, 2),
+                                             attn_mask=meta.mask, scale=self.scale)
+        return from_padded(out)                                                # [N, H, v]
 
     def _absorb_queries(self, q_nope: torch.Tensor) -> torch.Tensor:   # [N, H, nope] -> [N, H, r]
         if self.w_uk is None:

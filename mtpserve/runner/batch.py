@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpserve.model.attention import AttentionMetadata
+from mtpserve.model.attention import ABSORB_MAX_QUERY_LEN, AttentionMetadata
 
 
 @dataclass
@@ -22,9 +22,11 @@ class Row:
                 for p in range(self.start, self.start + kept)] + [-1] * (len(self.token_ids) - kept)
 
 
-def build_batch(rows: list[Row], block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def build_batch(rows: list[Row], block_size: int, device, split: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Index arithmetic in Python lists, then one tensor each: a decode step's batch is a few dozen numbers,
-    and per-op costs (not the arithmetic) would dominate if it were done with tensor ops."""
+    and per-op costs (not the arithmetic) would dominate if it were done with tensor ops. split: rows of a few
+    query tokens and longer ones attend apart (AttentionMetadata.parts)."""
     max_query_len = max(len(r.token_ids) for r in rows)
     max_blocks = max(len(r.block_ids) for r in rows)
     input_ids, positions, slots, query_start_loc, seq_lens, tables = [], [], [], [0], [], []
@@ -49,4 +51,12 @@ def build_batch(rows: list[Row], block_size: int, device) -> tuple[torch.Tensor,
                              slot_mapping=tensor(slots), block_tables=tensor(tables),
                              max_query_len=max_query_len, max_seq_len=max(seq_lens),
                              token_row=tensor(token_row), token_col=tensor(token_col))
+    short = [i for i, r in enumerate(rows) if len(r.token_ids) <= ABSORB_MAX_QUERY_LEN]
+    if split and 0 < len(short) < len(rows):
+        long = sorted(set(range(len(rows))) - set(short))
+        meta.parts = [(tensor([t for i in group for t in range(query_start_loc[i], query_start_loc[i + 1])]),
+                       build_batch([rows[i] for i in group], block_size, device, split=False)[2])
+                      for group in (short, long)]
+        for _, part in meta.parts:
+            part.slot_mapping = None   # the whole batch's KV is written once, before the parts attend
     return tensor(input_ids), tensor(positions), meta.set_mask(tensor(query_pos))

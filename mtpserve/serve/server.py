@@ -84,6 +84,17 @@ def check_serve_args(args) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be >= 0")
     if args.allowed_hosts is None:
         args.allowed_hosts = list(LOOPBACK_HOSTS) if args.host in LOOPBACK_HOSTS else None
+    if args.cpu_threads is None:
+        args.cpu_threads = serving_cpu_threads(args)
+
+
+def serving_cpu_threads(args) -> int:
+    """The model's threads per rank on the CPU when serving: the node's cores but one, divided among its ranks.
+    The HTTP server's event loop (parsing, streaming every step's tokens) needs a core of its own: beside a
+    model that used every core, it preempted one of the model's threads each step, and the others spun waiting
+    for it (shipped model, 2 cores, concurrency 1: TPOT 21 ms with 2 threads, 15 ms with 1; docs/BENCHMARKS.md)."""
+    ranks_per_node = max(1, args.tensor_parallel_size * args.data_parallel_size // max(1, args.nnodes))
+    return max(1, ((os.cpu_count() or 1) - 1) // ranks_per_node)
 
 
 def run_server(args) -> None:
