@@ -213,7 +213,7 @@ def test_calibration_times_the_k_in_turns(trained1, monkeypatch):
 
 @pytest.mark.parametrize("apart", [False, True], ids=["step-call", "until-next-step"])
 def test_a_server_times_a_step_until_the_next_one_starts(trained1, monkeypatch, apart):
-    """Behind a server (AsyncEngine sets step_timing.apart) a step's cost includes the caller's work until the
+    """Behind a server (AsyncEngine: step_timing.behind_a_server) a step's cost includes the caller's work until the
     next step starts (streaming, stats); offline, the step() call alone. An abort drops the pending time (the
     next step may come after an idle wait)."""
     import time
@@ -224,6 +224,7 @@ def test_a_server_times_a_step_until_the_next_one_starts(trained1, monkeypatch, 
     if apart:
         AsyncEngine(engine).shutdown()
     assert engine.step_timing.apart == apart
+    assert engine.adaptive.draft_premium == (0.0 if apart else adaptive.DRAFT_PREMIUM)   # a server's batch refills
     timed, observe = [], AdaptiveK.observe_step
     monkeypatch.setattr(AdaptiveK, "observe_step", lambda self, batch, k, seconds: (
         timed.append(seconds), observe(self, batch, k, seconds)))

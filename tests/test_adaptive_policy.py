@@ -29,11 +29,14 @@ def test_choice_maximises_expected_tokens_per_second():
     assert p.choose(1) == 2
 
 
-@pytest.mark.parametrize("batch,gain,picked", [(16, 1.02, 1), (16, 1.10, 2), (1, 1.02, 2)])
-def test_each_draft_must_buy_the_premium(batch, gain, picked):
-    """At batch 16, k = 2 rated 2% above k = 1 (less than the premium per draft): k = 1, the fewer drafts, is
-    chosen; rated 10% above it, k = 2. At batch 1 (no spread of progress to pay for) the better rate wins."""
+@pytest.mark.parametrize("batch,gain,premium,picked", [(16, 1.03, 0.05, 1), (16, 1.10, 0.05, 2), (1, 1.03, 0.05, 2),
+                                                       (16, 1.03, 0.0, 2)])
+def test_each_draft_must_buy_the_premium(batch, gain, premium, picked):
+    """At batch 16, k = 2 rated 3% above k = 1 (less than the premium per draft): k = 1, the fewer drafts, is
+    chosen; rated 10% above it, k = 2. At batch 1 (no spread of progress to pay for) the better rate wins, and
+    so it does with no premium (behind a server)."""
     p = policy_with([0.8, 0.5], {0: {batch: 1.0}, 1: {batch: 1.0}, 2: {batch: 1.0}})
+    p.draft_premium = premium
     p.timed[2][batch].clear()
     p.observe_step(batch, 2, 2.2 / (1.8 * gain))   # rate(2) = gain * rate(1)
     assert p.rate(batch, 2) == pytest.approx(gain * p.rate(batch, 1)) and p.choose(batch) == picked

@@ -13,6 +13,12 @@ class StepTiming:
     apart: bool = False
     pending: tuple | None = None   # (apart) the last step's observation, waiting for the next step to start
 
+    def behind_a_server(self) -> None:
+        """Steps are timed until the next one starts, and a draft need not buy the premium that pays for a batch
+        left to drain (adaptive.py): a server's arrivals refill its batch."""
+        self.apart = True
+        self.policy.draft_premium = 0.0
+
     def step_started(self, now: float) -> None:
         """A step starts: the one before it is timed until now."""
         if self.pending is not None:

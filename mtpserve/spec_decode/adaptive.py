@@ -31,7 +31,10 @@ the last requests of k = 3 finished 14-20 steps after the first, taking a third 
 after; about 5% per draft). A batch of one has no such spread: the premium is DRAFT_PREMIUM * (1 - 1/batch). The
 first draft pays none: measured at batch 64 in lockstep, whole runs of k = 1 were 3-7% faster than no speculation
 while its steady steps were 7% ahead (a spread of one token at most per step costs less than this machine's noise
-shows), and a premium there kept the engine at k = 0.
+shows), and a premium there kept the engine at k = 0. Behind a server there is none: arrivals refill the batch
+instead of leaving it to drain, and what its users see is each request's time per token, which a step's rate
+measures (serving, concurrency 16: with the premium the engine drafted 1 where fixed k = 3 gave an 8% lower
+TPOT).
 k = 0 is plain decoding: an eager decode step drafting nothing runs no MTP pass; it keeps the main hidden states
 of the positions it verified, and the next step that drafts writes their MTP KV (no attention, experts or head
 needed), so that the caches are whole when drafting resumes; a step drafting fewer tokens than the checkpoint has
@@ -75,6 +78,7 @@ class AdaptiveK:
     steps: int = 0                                        # choices made (every probe_every-th one probes)
     switch_margin: float = SWITCH_MARGIN
     probe_every: int = PROBE_EVERY
+    draft_premium: float = DRAFT_PREMIUM                  # (0 behind a server: engine/step_timing.py)
 
     def __post_init__(self):
         if not self.reached:
@@ -179,7 +183,7 @@ class AdaptiveK:
 
     def choose(self, batch: int, rooms: list[int] | None = None) -> int:
         """k for the next step of a batch of this size (rooms: its requests' tokens left after this step)."""
-        premium = DRAFT_PREMIUM * (1 - 1 / batch)
+        premium = self.draft_premium * (1 - 1 / batch)
         values = [r * (1 - premium) ** max(k - 1, 0) for k, r in enumerate(self.rates(batch, rooms))]
         best = max(range(self.max_k + 1), key=lambda k: values[k])
         if self.current is not None and values[self.current] * (1 + self.switch_margin) >= values[best]:
