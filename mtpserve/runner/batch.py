@@ -52,12 +52,12 @@ def build_batch(rows: list[Row], block_size: int, device, split: bool = True
                              max_query_len=max_query_len, max_seq_len=max(seq_lens),
                              token_row=tensor(token_row), token_col=tensor(token_col))
     if split and max_query_len > ABSORB_MAX_QUERY_LEN:   # (never in a decode step)
-        long = [len(r.token_ids) > ABSORB_MAX_QUERY_LEN for r in rows]
-        kinds = [[i for i, is_long in enumerate(long) if is_long == kind] for kind in (False, True)]
-        if all(kinds):
-            meta.parts = [(tensor([t for i in rows_of for t in range(query_start_loc[i], query_start_loc[i + 1])]),
-                           build_batch([rows[i] for i in rows_of], block_size, device, split=False)[2])
-                          for rows_of in kinds]
+        short = [i for i, r in enumerate(rows) if len(r.token_ids) <= ABSORB_MAX_QUERY_LEN]
+        long = [i for i, r in enumerate(rows) if len(r.token_ids) > ABSORB_MAX_QUERY_LEN]
+        if short:
+            meta.parts = [(tensor([t for i in kind for t in range(query_start_loc[i], query_start_loc[i + 1])]),
+                           build_batch([rows[i] for i in kind], block_size, device, split=False)[2])
+                          for kind in (short, long)]
             for _, part in meta.parts:
                 part.slot_mapping = None   # the whole batch's KV is written once, before the parts attend
     return tensor(input_ids), tensor(positions), meta.set_mask(tensor(query_pos))
