@@ -149,7 +149,8 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec_decode/draft_vocab.py)
     prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up (4 when not given)
     prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
-    adaptive: bool = False                   # mtp: k in [0, num_speculative_tokens] chosen each step (spec_decode/adaptive.py)
+    adaptive: bool | None = None             # mtp: k in [0, num_speculative_tokens] chosen each step (spec_decode/
+                                             # adaptive.py); the default for mtp, false: always k drafts
     fused_graph_step: bool = True            # graph mode, mtp: verify + accept + draft in one graph (spec_decode/fused.py)
 
     @property
@@ -184,6 +185,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.synthetic_acceptance: a benchmark measurement mode whose output is "
                              "NOT the model's (drafts pass by coin flip); it needs \"allow_lossy_measurement\": true "
                              "(mtpserve bench --synthetic-acceptance sets it)")
+        if cfg.adaptive is None:
+            cfg.adaptive = cfg.method == "mtp" and cfg.synthetic_acceptance is None
         for name in ("adaptive", "fused_graph_step"):
             if not isinstance(getattr(cfg, name), bool):
                 raise ValueError(f"speculative_config.{name} = {getattr(cfg, name)!r}: must be true or false")

@@ -19,7 +19,8 @@ def add_model_args(p: argparse.ArgumentParser,
     """The checkpoint, the speculation and the dtype (every engine-building command has them)."""
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--speculative-config", default=None, type=json_object,
-                   help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (default: no speculation)')
+                   help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': MTP drafts up to 2 tokens a '
+                        'step, as many as pay (adaptive; add "adaptive": false for always 2) (default: no speculation)')
     p.add_argument("--dtype", default="auto")
 
 

@@ -25,7 +25,7 @@ for spec in $SPECS; do
   extra=()
   base=${spec%_overlap}
   case $base in
-    mtp_k*) extra=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${base#mtp_k}}") ;;
+    mtp_k*) extra=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${base#mtp_k}, \"adaptive\": false}") ;;
     adaptive_k*) extra=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${base#adaptive_k}, \"adaptive\": true}") ;;
   esac
   [ "$base" != "$spec" ] && extra+=(--overlap)

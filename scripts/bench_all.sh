@@ -27,7 +27,7 @@ $B peers --k 2 --batch-size 64 --num-prompts 4 --input-len 32 --output-len 64 --
 $B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
   --output-json $R/throughput_no_mtp.json
 $B throughput --num-prompts 128 --max-num-seqs 64 --input-len 32 --output-len 64 --threads 1 --enforce-eager \
-  --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' --output-json $R/throughput_mtp_k2.json
+  --speculative-config '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}' --output-json $R/throughput_mtp_k2.json
 $B roofline --num-iters 2 --threads 1 --output-json $R/roofline.json
 # Measurement mode on the roofline's ~300M random model in bf16 (bandwidth-bound decode, and bf16 GEMMs cost
 # the same for 1 and 1+k rows on this CPU): drafts pass at a fixed 0.8, DeepSeek-like acceptance.
@@ -35,7 +35,7 @@ $B latency --model runs/bench/roofline_model --ks 0,1,2,3 --batch-sizes 1,8 --sy
   --input-len 32 --output-len 32 --num-iters 2 --threads 1 --enforce-eager --dtype bfloat16 \
   --output-json $R/latency_synthetic_300m.json
 for spec in none mtp_k2; do
-  extra=(); [ $spec = mtp_k2 ] && extra=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}')
+  extra=(); [ $spec = mtp_k2 ] && extra=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}')
   OMP_NUM_THREADS=1 mtpserve serve --port 18123 --max-num-seqs 32 --enforce-eager "${extra[@]}" > /tmp/bench_server.log 2>&1 &
   server=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:18123/health > /dev/null && break; sleep 0.5; done

@@ -6,7 +6,7 @@ set -euxo pipefail
 cd "$(dirname "$0")/.."
 R=docs/bench_results
 mkdir -p $R
-SPEC='{"method": "mtp", "num_speculative_tokens": 1}'
+SPEC='{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}'
 BENCH="mtpserve bench serve --num-prompts 24 --input-len 1024 --output-len 64 --max-concurrency 4 --seed 0"
 up() { for _ in $(seq 1 240); do curl -s -o /dev/null -w '%{http_code}' "$1/health" | grep -q 200 && return 0; sleep 0.5; done; return 1; }
 OMP_NUM_THREADS=2 mtpserve serve --port 18300 --speculative-config "$SPEC" & C=$!

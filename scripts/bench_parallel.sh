@@ -24,10 +24,10 @@ $B --layouts tp1,tp2 --model $M --dtype bfloat16 --batch-sizes 1,32 --input-len 
   --output-json $R/parallel_300m_bf16.json
 $B --layouts tp1,tp2 --model $M --dtype bfloat16 --quantization fp8 --batch-sizes 1,32 --input-len 32 --output-len 32 \
   --num-iters 2 --output-json $R/parallel_300m_fp8.json
-$B --layouts tp1,tp2 --dtype float32 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' \
+$B --layouts tp1,tp2 --dtype float32 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}' \
   --batch-sizes 1,8 --input-len 32 --output-len 64 --num-iters 2 --output-json $R/parallel_default_mtp_k1.json
 fi
 $B --layouts tp1,tp2,dp2ep --model $E --dtype bfloat16 --batch-sizes 1,32 --input-len 32 --output-len 32 --num-iters 2 \
   --output-json $R/parallel_300m_moe_bf16.json
-$B --layouts tp1,tp2,dp2ep --dtype float32 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' \
+$B --layouts tp1,tp2,dp2ep --dtype float32 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}' \
   --batch-sizes 1,8 --input-len 32 --output-len 64 --num-iters 2 --output-json $R/parallel_default_dp_ep_mtp_k1.json

@@ -257,6 +257,28 @@ def test_adaptive_engine_picks_and_reports_k(trained1):
     assert len(steps) == 3 and sum(steps) > 0
 
 
+def test_mtp_adapts_by_default_and_adaptive_false_keeps_k(trained1):
+    """num_speculative_tokens is the most an MTP step drafts (adaptive unless told otherwise); "adaptive": false
+    drafts exactly k every step; n-gram drafts are never adapted."""
+    from mtpserve.config import SpeculativeConfig
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2}).adaptive is True
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "adaptive": False}).adaptive is False
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}).adaptive is False
+    with pytest.raises(ValueError, match="speculative_config.adaptive"):
+        SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "adaptive": "no"})
+    p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    fixed = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": False})
+    outs = fixed.generate(prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)
+    m = fixed.get_metrics()
+    assert fixed.engine.adaptive is None and "draft_steps_by_k" not in m
+    assert m["num_draft_tokens"] == 2 * m["num_drafts"] > 0
+    default = LLM(trained1, speculative_config={"num_speculative_tokens": 2})
+    assert default.engine.adaptive is not None and default.engine.adaptive.max_k == 2
+    again = default.generate(prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    assert sum(default.get_metrics()["draft_steps_by_k"]) > 0
+
+
 def test_sampling_lossless_while_k_switches(tmp_path_factory, monkeypatch):
     """Chi-square of the first two tokens against the model's exact distribution, k cycling 0..2."""
     path = random_checkpoint(tmp_path_factory.mktemp("v6a"), vocab_size=6, eos_token_id=None, bos_token_id=None)

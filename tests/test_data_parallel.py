@@ -32,7 +32,7 @@ from tiny_models import trained_checkpoint
 PROMPTS = [[5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [20, 21, 22], [3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36],
            [40, 38, 36, 34]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
-K3 = {"method": "mtp", "num_speculative_tokens": 3}   # chained over the checkpoint's 2 MTP layers
+K3 = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}   # chained over the checkpoint's 2 MTP layers
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +63,13 @@ def run_on_ranks(engine, prompts, ranks, params=GREEDY) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kw", [
-    dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+    dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}),
     # chunked prefill (8-token budget per rank) and preemption (24 blocks of 4 slots per rank)
     dict(speculative_config=K3, max_num_batched_tokens=8, num_kv_blocks=24, block_size=4),
-], ids=["mtp_k1", "mtp_k3_chunked"])
+    # adaptive k (the default): one k per step for both ranks, chosen on the front; the calibration's forced
+    # turns switch it every few steps, and a rank's idle steps run the MTP passes of whatever k the step drafts
+    dict(speculative_config={"method": "mtp", "num_speculative_tokens": 3}),
+], ids=["mtp_k1", "mtp_k3_chunked", "mtp_adaptive_k3"])
 def test_dp2_ep2_matches_one_process_with_requests_on_both_ranks(ckpt, kw):
     tokens_one, metrics_one = generate(reference(ckpt, **kw))
     two = data_parallel(ckpt, **kw)
@@ -77,7 +80,8 @@ def test_dp2_ep2_matches_one_process_with_requests_on_both_ranks(ckpt, kw):
         two.engine.shutdown()
     assert tokens_two == tokens_one and all(len(t) == 40 for t in tokens_two)
     assert metrics_two["num_accepted_tokens"] > 0
-    if "max_num_batched_tokens" not in kw:   # (a budget per rank schedules differently from one budget for all)
+    adaptive = two.engine.adaptive is not None   # (then each engine's policy picks its own k for the same tokens)
+    if "max_num_batched_tokens" not in kw and not adaptive:   # (a budget per rank schedules differently)
         assert metrics_two == metrics_one
     for rank in counts:   # both ranks ran requests; every forward was matched on the other rank
         assert rank.get("dummy_main", 0) < rank["main"]
@@ -139,7 +143,7 @@ def test_one_rank_prefills_while_the_other_verifies(ckpt):
 
 def test_dp2_graph_mode_matches_one_process(ckpt):
     """Three requests: two on rank 0, one on rank 1; every rank pads to the same graph (batch 2)."""
-    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
     prompts = PROMPTS[:3]
     tokens_one, metrics_one = generate(LLM(model=ckpt, dtype="float32", speculative_config=spec), prompts)
     two = data_parallel(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[2])
@@ -159,7 +163,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def test_idle_ranks_do_not_spin_and_a_killed_rank_fails_requests_within_seconds(ckpt):
-    llm = data_parallel(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    llm = data_parallel(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
     (rank, worker), = llm.engine.executor.workers
     try:
         generate(llm, PROMPTS[:2], SamplingParams(max_tokens=5))

@@ -20,7 +20,8 @@ def run_to_end(engine):
     return done
 
 
-@pytest.mark.parametrize("spec", [None, {"num_speculative_tokens": 2}], ids=["plain", "mtp-k2"])
+@pytest.mark.parametrize("spec", [None, {"num_speculative_tokens": 2, "adaptive": False}, {"num_speculative_tokens": 2}],
+                         ids=["plain", "mtp-k2", "mtp-adaptive-k2"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                                     SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)],
                          ids=["greedy", "seeded"])
@@ -42,6 +43,21 @@ def test_disaggregated_equals_single_engine(ckpt, spec, params):
     assert dbm.num_free_blocks == dbm.num_blocks
 
 
+def test_adaptive_prefill_side_hands_off_every_draft_and_mtp_kv(ckpt, monkeypatch):
+    """A prefill engine adapting its k (the default) drafts the full k for a request it hands off, and writes
+    its MTP KV, even where its policy would draft nothing: the hand-off equals a fixed-k engine's."""
+    import torch
+    from mtpserve.spec_decode.adaptive import AdaptiveK
+    p = SamplingParams(temperature=0.0, max_tokens=8)
+    fixed = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}), "a", None,
+                    [3, 4, 5, 6, 7], p)
+    adaptive = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2})
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, batch, rooms=None: 0)
+    handoff = prefill(adaptive, "a", None, [3, 4, 5, 6, 7], p)
+    assert len(handoff.draft_token_ids) == 2 and handoff.draft_token_ids == fixed.draft_token_ids
+    assert all(torch.equal(a, b) for a, b in zip(handoff.kv, fixed.kv, strict=True))
+
+
 # (graph mode's padded first step through real servers: test_disagg_servers.py)
 @pytest.mark.parametrize("k, graphs", [(1, False), (2, False)], ids=["k1-eager", "k2-eager"])
 def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs):
@@ -50,7 +66,7 @@ def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs):
     import torch
     prompts = pattern_batch(torch.Generator().manual_seed(1), 3, 9).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    spec = {"num_speculative_tokens": k}
+    spec = {"num_speculative_tokens": k, "adaptive": False}
     mode = dict(enforce_eager=not graphs, graph_batch_sizes=[4])
     single = LLMEngine.from_kwargs(ckpt, spec)
     for i, p in enumerate(prompts):
@@ -94,23 +110,23 @@ def count_placeholder_steps(engine):
 
 def test_handoff_refused_when_engines_differ(ckpt):
     p = SamplingParams(temperature=0.0, max_tokens=5)
-    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 1}), "a", None, [3, 4, 5], p)
+    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 1, "adaptive": False}), "a", None, [3, 4, 5], p)
     with pytest.raises(ValueError, match="handoff: .*(KV caches|num_speculative_tokens)"):
         add_prefilled(LLMEngine.from_kwargs(ckpt, None), handoff)
 
 
 def test_handoff_refused_when_k_differs(ckpt):
     p = SamplingParams(temperature=0.0, max_tokens=5)
-    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 3}), "a", None, [3, 4, 5], p)
+    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 3, "adaptive": False}), "a", None, [3, 4, 5], p)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        add_prefilled(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2}), handoff)
+        add_prefilled(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}), handoff)
 
 
 def test_handoff_survives_the_wire(ckpt):
     """encode/decode (the frames a KV endpoint sends): every tensor bit-exact, bf16 included."""
     import torch
     from mtpserve.disagg.transport import decode, encode
-    engine = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2}, dtype="bfloat16")
+    engine = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}, dtype="bfloat16")
     h = prefill(engine, "a", None, [3, 4, 5, 6], SamplingParams(temperature=0.8, seed=3, max_tokens=5),
                 scheme="hidden")
     frames = encode(h)
@@ -143,7 +159,7 @@ def test_scheme2_without_padding_equals_single_engine(ckpt):
     from mtpserve.disagg.handoff import import_handoff
     prompts = pattern_batch(torch.Generator().manual_seed(2), 3, 9).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    spec = {"num_speculative_tokens": 2}
+    spec = {"num_speculative_tokens": 2, "adaptive": False}
     single = LLMEngine.from_kwargs(ckpt, spec)
     for i, p in enumerate(prompts):
         single.add_request(str(i), None, p, params)

@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
 
 
 def spec(k: int) -> str:
-    return json.dumps({"method": "mtp", "num_speculative_tokens": k})
+    return json.dumps({"method": "mtp", "num_speculative_tokens": k, "adaptive": False})
 
 
 def kv_config(role: str, port: int, **extra) -> str:

@@ -36,13 +36,13 @@ def test_top_tokens_by_count_then_lower_id():
 def test_bad_draft_vocab_size_is_refused(trained, tmp_path):
     for bad in [0, -3, "64", True]:
         with pytest.raises(ValueError, match="draft_vocab_size"):
-            SpeculativeConfig.from_dict({"num_speculative_tokens": 1, "draft_vocab_size": bad})
+            SpeculativeConfig.from_dict({"num_speculative_tokens": 1, "adaptive": False, "draft_vocab_size": bad})
     with pytest.raises(ValueError, match=r"draft_vocab_size = 49: must be an integer in \[1, 48\]"):
-        LLM(trained, speculative_config={"num_speculative_tokens": 1, "draft_vocab_size": PATTERN_VOCAB + 1})
+        LLM(trained, speculative_config={"num_speculative_tokens": 1, "adaptive": False, "draft_vocab_size": PATTERN_VOCAB + 1})
     no_counts = tmp_path / "no_counts"
     shutil.copytree(trained, no_counts)
     os.remove(no_counts / FREQUENCIES_FILE)
-    spec = {"num_speculative_tokens": 1, "draft_vocab_size": 8}
+    spec = {"num_speculative_tokens": 1, "adaptive": False, "draft_vocab_size": 8}
     with pytest.raises(ValueError, match=FREQUENCIES_FILE):
         LLM(str(no_counts), speculative_config=spec)
     for counts, found in [([1] * 5, "5 counts"), ([0] * PATTERN_VOCAB, "48 counts")]:
@@ -55,7 +55,7 @@ def test_bad_draft_vocab_size_is_refused(trained, tmp_path):
 def test_greedy_identical_and_drafts_from_the_draft_vocab(trained, k, size):
     prompts = prompts_for()
     base, _ = run(trained, None, prompts)
-    spec = {"num_speculative_tokens": k, "draft_vocab_size": size}
+    spec = {"num_speculative_tokens": k, "adaptive": False, "draft_vocab_size": size}
     llm = LLM(trained, speculative_config=spec, max_num_batched_tokens=16)
     allowed = set(top_tokens(json.load(open(os.path.join(trained, FREQUENCIES_FILE)))["counts"], size).tolist())
     drafted = []
@@ -78,7 +78,7 @@ def test_greedy_identical_and_drafts_from_the_draft_vocab(trained, k, size):
 def test_greedy_requests_unchanged_next_to_sampling_ones(trained):
     prompts = prompts_for()
     base, _ = run(trained, None, prompts)
-    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "draft_vocab_size": 24})
+    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 24})
     sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
     params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -86,7 +86,7 @@ def test_greedy_requests_unchanged_next_to_sampling_ones(trained):
 
 
 def test_sampled_drafts_carry_their_distribution_over_the_whole_vocabulary(trained):
-    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "draft_vocab_size": 24})
+    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 24})
     results = []
     propose = llm.engine.runner.proposer.propose
 

@@ -49,7 +49,7 @@ def checkpoints(tmp_path_factory):
 
 
 PROMPTS = [[5, 7, 9, 11, 13], [20, 21, 22], [3, 6, 9, 12, 15, 18]]
-SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+SPEC = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
 
 
 def generate(path, **kw):

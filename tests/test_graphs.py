@@ -28,8 +28,8 @@ def ckpt2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("spec, overlap", [
-    (None, False), ({"method": "mtp", "num_speculative_tokens": 2}, True),
-    ({"method": "mtp", "num_speculative_tokens": 2, "fused_graph_step": False}, False)],
+    (None, False), ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, True),
+    ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False, "fused_graph_step": False}, False)],
     ids=["plain", "mtp-k2-overlap", "mtp-k2-unfused"])
 def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec, overlap):
     """(With overlap, the graphs built at start-up run on the model thread.)"""
@@ -40,7 +40,7 @@ def test_graph_mode_two_mtp_layers(ckpt2):
     """A checkpoint with two MTP layers, k=3: the fused step chains layer 1 for depth 2 and drafts depth 3
     with layer 0 as eager does (the same acceptance at every position); the unfused steps run the chain
     eagerly (no MTP graph of their own is built)."""
-    graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3})
+    graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
     assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "fused", "fused_sampled"}
     assert graph.get_metrics()["acceptance_rate"] > 0.3
 

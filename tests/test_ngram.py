@@ -81,7 +81,7 @@ def test_greedy_identical_with_chunked_prefill_and_preemption(trained):
 def test_works_without_mtp_layers(tmp_path):
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="MTP layers"):
-        LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 40)) * 2, [9, 9, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     base, _ = run(path, None, prompts, params)

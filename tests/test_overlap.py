@@ -12,7 +12,7 @@ from mtpserve.engine.engine import LLMEngine
 from test_spec_decode import assert_follows, exact_joint, prompts_for
 from tiny_models import PATTERN_VOCAB, random_checkpoint, trained_checkpoint
 
-SPEC = {"num_speculative_tokens": 2}
+SPEC = {"num_speculative_tokens": 2, "adaptive": False}
 
 
 @pytest.fixture(scope="module")

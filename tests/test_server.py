@@ -18,7 +18,7 @@ from mtpserve.sampling_params import SamplingParams
 from mtpserve.distributed.launch import free_port
 from server_processes import server_process
 
-SPEC = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+SPEC = {"method": "deepseek_mtp", "num_speculative_tokens": 1, "adaptive": False}
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 512

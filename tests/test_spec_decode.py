@@ -57,7 +57,7 @@ def check_metrics(m, k):
 def test_greedy_identical_to_no_speculation(trained1, k, scorer, verification):
     prompts = prompts_for()
     base, _ = run(trained1, None, prompts)
-    spec = {"method": "mtp", "num_speculative_tokens": k, "scorer": scorer, "verification": verification}
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False, "scorer": scorer, "verification": verification}
     out, m = run(trained1, spec, prompts)
     assert out == base
     check_metrics(m, k)
@@ -68,7 +68,7 @@ def test_greedy_identical_to_no_speculation(trained1, k, scorer, verification):
 def test_greedy_with_chunked_prefill_and_preemption(trained1, k):
     prompts = prompts_for()
     base, _ = run(trained1, None, prompts)
-    spec = {"method": "deepseek_mtp", "num_speculative_tokens": k}
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": k, "adaptive": False}
     out, m = run(trained1, spec, prompts, max_num_batched_tokens=8, num_kv_blocks=18, block_size=4)
     assert out == base
     check_metrics(m, k)
@@ -83,8 +83,8 @@ def test_seeded_sampling_same_with_speculation_and_preemption(trained1):
               for i in range(len(prompts))]
     tight = dict(max_num_batched_tokens=8, num_kv_blocks=18, block_size=4)
     outputs = []
-    for spec, kw in [(None, {}), (None, tight), ({"num_speculative_tokens": 2}, {}),
-                     ({"num_speculative_tokens": 2}, tight)]:
+    for spec, kw in [(None, {}), (None, tight), ({"num_speculative_tokens": 2, "adaptive": False}, {}),
+                     ({"num_speculative_tokens": 2, "adaptive": False}, tight)]:
         llm = LLM(trained1, speculative_config=spec, **kw)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         outputs.append([o.outputs[0].token_ids for o in outs])
@@ -97,7 +97,7 @@ def test_seeded_sampling_same_with_speculation_and_preemption(trained1):
 def test_three_mtp_layers(trained3, k):
     prompts = prompts_for()
     base, _ = run(trained3, None, prompts)
-    out, m = run(trained3, {"method": "mtp", "num_speculative_tokens": k}, prompts, max_num_batched_tokens=16)
+    out, m = run(trained3, {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}, prompts, max_num_batched_tokens=16)
     assert out == base
     check_metrics(m, k)
     assert m["acceptance_rate"] > 0.3
@@ -121,7 +121,7 @@ def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget,
     runs = []
     for noise in (False, True):
         kw = {"max_num_batched_tokens": budget} if budget else {}
-        llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 4}, **kw)
+        llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 4, "adaptive": False}, **kw)
         if noise:
             fill_mtp_caches_with_noise(llm)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
@@ -133,7 +133,7 @@ def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget,
 def test_random_model_and_moe(random_ckpt):
     prompts = [[5, 6, 7], list(range(10, 40)), [9]]
     base, _ = run(random_ckpt, None, prompts)
-    for spec in [{"num_speculative_tokens": 2}, {"num_speculative_tokens": 3, "verification": "block",
+    for spec in [{"num_speculative_tokens": 2, "adaptive": False}, {"num_speculative_tokens": 3, "verification": "block",
                                                   "scorer": "batch_expansion", "draft_sampling": "greedy"}]:
         out, m = run(random_ckpt, spec, prompts, max_num_batched_tokens=8)
         assert out == base
@@ -144,11 +144,11 @@ def test_stops_apply_mid_block(trained1):
     base, _ = run(trained1, None, prompts)
     stop = base[0][5]
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop])
-    out, _ = run(trained1, {"num_speculative_tokens": 4}, prompts[:1], p)
+    out, _ = run(trained1, {"num_speculative_tokens": 4, "adaptive": False}, prompts[:1], p)
     assert out[0] == base[0][:base[0].index(stop) + 1]
     for n in [1, 2, 3, 7]:
         p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        out, _ = run(trained1, {"num_speculative_tokens": 4}, prompts, p)
+        out, _ = run(trained1, {"num_speculative_tokens": 4, "adaptive": False}, prompts, p)
         assert out == [b[:n] for b in base]
 
 
@@ -188,12 +188,12 @@ def assert_follows(outs, joint):
 
 
 @pytest.mark.parametrize("spec", [
-    {"num_speculative_tokens": 2},
-    {"num_speculative_tokens": 2, "seeded": True},
-    {"num_speculative_tokens": 2, "verification": "block"},
-    {"num_speculative_tokens": 1, "draft_sampling": "greedy"},
-    {"num_speculative_tokens": 2, "draft_sampling": "greedy", "verification": "block"},
-    {"num_speculative_tokens": 2, "draft_vocab_size": 3},
+    {"num_speculative_tokens": 2, "adaptive": False},
+    {"num_speculative_tokens": 2, "adaptive": False, "seeded": True},
+    {"num_speculative_tokens": 2, "adaptive": False, "verification": "block"},
+    {"num_speculative_tokens": 1, "adaptive": False, "draft_sampling": "greedy"},
+    {"num_speculative_tokens": 2, "adaptive": False, "draft_sampling": "greedy", "verification": "block"},
+    {"num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 3},
     {"method": "ngram", "num_speculative_tokens": 2},
     {"method": "ngram", "num_speculative_tokens": 2, "verification": "block"},
 ], ids=["token-prob", "coupled-prob-seeded", "block-prob", "token-greedydraft", "block-greedydraft", "token-prob-draftvocab", "token-ngram",
@@ -243,7 +243,7 @@ def test_fused_sampled_graph_step_is_lossless(tmp_path_factory, monkeypatch, spe
     params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=3, ignore_eos=True)
     joint = exact_joint(path, prompt, params, 3)
     num = 2048
-    llm = LLM(path, speculative_config={"num_speculative_tokens": 2, **spec}, max_num_seqs=64,
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": False, **spec}, max_num_seqs=64,
               max_num_batched_tokens=4096, seed=11, enforce_eager=False, graph_batch_sizes=[64], max_model_len=16)
     each = [SamplingParams(**{**vars(params), "seed": i if i % 2 else None}) for i in range(num)]
     outs = []
@@ -314,7 +314,7 @@ def dense_drafts(model, tokens: list[int], k: int) -> list[int]:
 def test_chained_drafts_equal_dense_recomputation(trained3):
     """Each depth with a layer of its own runs over the accepted positions, fed the previous depth's outputs
     (the last depth only at the position read): every step's drafts are those of the dense formula."""
-    llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
     runner, checked = llm.engine.runner, []
     propose = runner.proposer.propose
 

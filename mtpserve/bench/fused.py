@@ -13,7 +13,7 @@ def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int,
     """base_spec: further speculative_config fields for every MTP engine (e.g. a draft vocabulary)."""
     specs = {"no_mtp": None}
     for k in ks:
-        spec = {**(base_spec or {}), "method": "mtp", "num_speculative_tokens": k}
+        spec = {"adaptive": False, **(base_spec or {}), "method": "mtp", "num_speculative_tokens": k}
         specs[f"k{k}_separate"] = {**spec, "fused_graph_step": False}
         specs[f"k{k}_fused"] = spec
     max_batch = max(batch_sizes)

@@ -12,7 +12,7 @@ from mtpserve.sampling_params import SamplingParams
 
 
 def run_handoff(path: str, k: int, batch: int, input_len: int, num_iters: int, dtype: str) -> dict:
-    spec = {"method": "mtp", "num_speculative_tokens": k}
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}
     prefill_engine = LLMEngine.from_kwargs(path, spec, dtype=dtype, enforce_eager=True)
     decode = LLMEngine.from_kwargs(path, spec, dtype=dtype, enforce_eager=False, graph_batch_sizes=[batch])
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -17,6 +17,7 @@ def spec_dict(k: int, scorer: str, base: dict | None, synthetic: float | None, d
         return None
     d = dict(base or {"method": "mtp"})
     d.update(num_speculative_tokens=k, scorer=scorer)
+    d.setdefault("adaptive", False)   # (a sweep over fixed k)
     if synthetic is not None:
         d.update(synthetic_acceptance=synthetic, allow_lossy_measurement=True)
     if draft_vocab:

@@ -263,6 +263,8 @@ def plan_drafts(policy: AdaptiveK, scheduled) -> int:
     """Picks k for this step's drafting (the next step's verification) and sets it on every request."""
     if policy.forced is not None:
         k = policy.forced
+    elif any(s.req.hold_kv for s in scheduled):   # (a prefill side's hand-off carries every draft and MTP KV)
+        k = policy.max_k
     else:   # (a request sampling this step takes at least one token in it)
         rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
         k = policy.choose(len(scheduled), [min(r, policy.max_k + 1) for r in rooms if r > 0])

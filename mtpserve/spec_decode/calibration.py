@@ -8,17 +8,20 @@ from mtpserve.spec_decode.adaptive import AdaptiveK
 logger = logging.getLogger("mtpserve")
 
 
+TIMED_PER_K = 4      # steady steps timed per k at each batch size (a step's time varies by 10-20% here)
+MAX_REQUEST_SETS = 4
+WARMUP_TURNS = 1     # turns through every k per batch size before timing (a fresh engine's first steps run slow)
+
+
 def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int = 96) -> None:
     """Start-up: real decode steps for every k at batch sizes 1, 4, 16 and max_num_seqs (up to 64, and at most as
     many as the KV cache holds at once), timed by the engine's own step loop (observe), on random prompts. The
     k take turns step by step (each held for three steps, the third the one timed: it verifies and drafts that
     k after a step that did too; adaptive.observe), so that every k's steps are timed within moments of the
-    others': their ratios are what the policy prices by, and this machine's speed drifts. Requests long enough
-    for about five timed steps of each k at every size (a step's time varies by 10-20% here: three steps per k
-    left cost ratios a fifth off at batch 64), on short prompts (a short max_model_len leaves room for more
-    steps). Twice: the first round only
-    warms up (the first steps of a fresh engine run slow). Their acceptance, the engine's spec-decode counters
-    and preemption counts are forgotten afterwards."""
+    others': their ratios are what the policy prices by, and this machine's speed drifts. At each size, one
+    untimed turn through every k warms up, then the turns go on until every k has TIMED_PER_K steps timed (three
+    steps per k left cost ratios a fifth off at batch 64), on requests of max_tokens each on short prompts (a
+    fresh set when they end first). Their acceptance, the engine's spec-decode counters and preemption counts are forgotten afterwards."""
     import torch
 
     from mtpserve.sampling_params import SamplingParams
@@ -34,22 +37,27 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request))   # (no preemption)
     sizes = sorted({1, min(4, most), min(16, most), min(64, most)})
     turns = [k for k in range(policy.max_k + 1) for _ in range(3)]
-    for timed in (False, True):
-        policy.timed.clear()   # (after the warm-up round: its times)
-        for batch in sizes:
-            ids = [f"adaptive-calibration-{timed:d}-{batch}-{i}" for i in range(batch)]
+    policy.timed.clear()
+    for batch in sizes:
+        step, warm = 0, False
+        for attempt in range(MAX_REQUEST_SETS):   # (a fresh set when the last ends before the k are timed)
+            ids = [f"adaptive-calibration-{batch}-{attempt}-{i}" for i in range(batch)]
             try:
                 for rid in ids:
                     prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
                     engine.add_request(rid, None, prompt, params)
-                step = 0
-                while engine.has_unfinished_requests():
+                while engine.has_unfinished_requests() and not timed_enough(policy, batch):
+                    if not warm and step == WARMUP_TURNS * len(turns):
+                        warm, step = True, 0
+                        forget_times(policy, batch)
                     policy.forced = turns[step % len(turns)]
                     engine.step()
                     step += 1
             finally:
                 for rid in ids:
                     engine.abort_request(rid)
+            if timed_enough(policy, batch):
+                break
     policy.forced, policy.current, policy.choices = None, None, [0] * (policy.max_k + 1)
     policy.relate_costs()
     policy.forget_acceptance()
@@ -59,3 +67,14 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     logger.info("adaptive speculation: step costs calibrated in %.1fs (ms by k, then batch size): %s",
                 time.monotonic() - started, {k: {b: round(s * 1e3, 2) for b, s in sorted(t.items())}
                                              for k, t in sorted(policy.step_seconds.items())})
+
+
+def timed_enough(policy: AdaptiveK, batch: int) -> bool:
+    return all(len(policy.timed.get(k, {}).get(batch, ())) >= TIMED_PER_K for k in range(policy.max_k + 1))
+
+
+def forget_times(policy: AdaptiveK, batch: int) -> None:
+    """Drops the warm-up's times at this batch size."""
+    for by_batch in policy.timed.values():
+        by_batch.pop(batch, None)
+    policy.last_steady = None

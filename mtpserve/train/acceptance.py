@@ -24,7 +24,8 @@ from mtpserve.train.tokenizer import BOS, load_tokenizer
 def measure(model: str, prompts: list[list[int]], max_tokens: int, cases) -> list[dict]:
     rows = []
     for k, temperature, drafts in cases:
-        llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": k, "draft_sampling": drafts})
+        llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": k, "draft_sampling": drafts,
+                                          "adaptive": False})
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
         llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         m = llm.get_metrics()
