@@ -32,7 +32,8 @@ def run_generate(args) -> None:
         per_pos = ", ".join(f"{a / max(d, 1):.2f}"
                             for a, d in zip(m["accepted_per_position"], m["drafted_per_position"]))
         print(f"speculation: acceptance rate {m['acceptance_rate']:.3f}, "
-              f"mean acceptance length {m['mean_acceptance_length']:.2f}, accepted per position [{per_pos}]")
+              f"mean acceptance length {m['mean_acceptance_length']:.2f}, accepted per position [{per_pos}]"
+              + (f", steps by k drafted {m['draft_steps_by_k']} (adaptive)" if "draft_steps_by_k" in m else ""))
 
 
 def main(argv=None) -> None:

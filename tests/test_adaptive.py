@@ -4,7 +4,7 @@ itself: test_adaptive_policy.py.)"""
 import pytest
 
 from mtpserve import LLM, SamplingParams
-from mtpserve.spec_decode import adaptive, mtp
+from mtpserve.spec_decode import adaptive, calibration, mtp
 from test_spec_decode import (GREEDY, assert_follows, exact_joint, fill_mtp_caches_with_noise,  # noqa: F401
                               prompts_for, run, trained1, trained3)
 from tiny_models import random_checkpoint
@@ -207,8 +207,11 @@ def test_calibration_times_the_k_in_turns(trained1, monkeypatch):
     llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
     at_64 = [k for batch, k in timed if batch == 64]
     breaks = sum(b != (a + 1) % 3 for a, b in zip(at_64, at_64[1:]))
-    assert len(at_64) >= 12 and breaks <= 1   # (the one: from the warm-up round to the timed one)
+    assert len(at_64) >= 12 and breaks <= 1   # (the one: from the warm-up turn to the timed ones)
     assert set(llm.engine.adaptive.relative) == {(0, 1), (0, 2), (1, 2)}
+    kept = llm.engine.adaptive.timed   # (until every k has its timed steps at every size, hardly more)
+    assert all(calibration.TIMED_PER_K <= len(kept[k][b]) <= calibration.TIMED_PER_K + 1
+               for k in range(3) for b in (1, 4, 16, 64))
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["step-call", "until-next-step"])

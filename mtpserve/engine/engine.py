@@ -47,8 +47,10 @@ class LLMEngine:
         self.graph_warmup_seconds = self.runner.graphs.compile_seconds if self.use_graphs else 0.0
         if self.use_graphs:
             from torch._inductor.runtime.cache_dir_utils import cache_dir
-            logger.info("graph mode: %d graphs (batch sizes %s) built in %.1fs; compile cache %s",
-                        len(self.runner.graphs.graphs), cfg.graph_batch_sizes, self.graph_warmup_seconds, cache_dir())
+            logger.info("graph mode: %d graphs (batch sizes %s%s) built in %.1fs; compile cache %s",
+                        len(self.runner.graphs.graphs), cfg.graph_batch_sizes,
+                        ", every k up to num_speculative_tokens: speculative_config \"adaptive\": false builds one"
+                        if cfg.speculative and cfg.speculative.adaptive else "", self.graph_warmup_seconds, cache_dir())
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
         self.adaptive = (adaptive.make_policy(k, self.runner.builds_fused_step)

@@ -21,7 +21,8 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     others': their ratios are what the policy prices by, and this machine's speed drifts. At each size, one
     untimed turn through every k warms up, then the turns go on until every k has TIMED_PER_K steps timed (three
     steps per k left cost ratios a fifth off at batch 64), on requests of max_tokens each on short prompts (a
-    fresh set when they end first). Their acceptance, the engine's spec-decode counters and preemption counts are forgotten afterwards."""
+    fresh set when they end first; at most MAX_REQUEST_SETS). Their acceptance, the engine's spec-decode counters
+    and preemption counts are forgotten afterwards."""
     import torch
 
     from mtpserve.sampling_params import SamplingParams
