@@ -20,8 +20,8 @@ def run_to_end(engine):
     return done
 
 
-@pytest.mark.parametrize("spec", [None, {"num_speculative_tokens": 2, "adaptive": False}, {"num_speculative_tokens": 2}],
-                         ids=["plain", "mtp-k2", "mtp-adaptive-k2"])
+@pytest.mark.parametrize("spec", [None, {"num_speculative_tokens": 2, "adaptive": False},
+                                  {"num_speculative_tokens": 2}], ids=["plain", "mtp-k2", "mtp-adaptive-k2"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                                     SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)],
                          ids=["greedy", "seeded"])
@@ -110,14 +110,16 @@ def count_placeholder_steps(engine):
 
 def test_handoff_refused_when_engines_differ(ckpt):
     p = SamplingParams(temperature=0.0, max_tokens=5)
-    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 1, "adaptive": False}), "a", None, [3, 4, 5], p)
+    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 1, "adaptive": False}), "a", None,
+                      [3, 4, 5], p)
     with pytest.raises(ValueError, match="handoff: .*(KV caches|num_speculative_tokens)"):
         add_prefilled(LLMEngine.from_kwargs(ckpt, None), handoff)
 
 
 def test_handoff_refused_when_k_differs(ckpt):
     p = SamplingParams(temperature=0.0, max_tokens=5)
-    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 3, "adaptive": False}), "a", None, [3, 4, 5], p)
+    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 3, "adaptive": False}), "a", None,
+                      [3, 4, 5], p)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         add_prefilled(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}), handoff)
 

@@ -38,7 +38,8 @@ def test_bad_draft_vocab_size_is_refused(trained, tmp_path):
         with pytest.raises(ValueError, match="draft_vocab_size"):
             SpeculativeConfig.from_dict({"num_speculative_tokens": 1, "adaptive": False, "draft_vocab_size": bad})
     with pytest.raises(ValueError, match=r"draft_vocab_size = 49: must be an integer in \[1, 48\]"):
-        LLM(trained, speculative_config={"num_speculative_tokens": 1, "adaptive": False, "draft_vocab_size": PATTERN_VOCAB + 1})
+        LLM(trained, speculative_config={"num_speculative_tokens": 1, "adaptive": False,
+                                         "draft_vocab_size": PATTERN_VOCAB + 1})
     no_counts = tmp_path / "no_counts"
     shutil.copytree(trained, no_counts)
     os.remove(no_counts / FREQUENCIES_FILE)

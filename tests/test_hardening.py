@@ -26,8 +26,9 @@ MAX_BODY = 2_000_000
 def server(tmp_path_factory):
     port = free_port()
     args = ["mtpserve.serve.openai_api", "--port", str(port), "--enforce-eager",
-            "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}', "--max-num-seqs", "16",
-            "--max-queue-len", "8", "--max-request-body-bytes", str(MAX_BODY), "--shutdown-timeout", "2"]
+            "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}',
+            "--max-num-seqs", "16", "--max-queue-len", "8", "--max-request-body-bytes", str(MAX_BODY),
+            "--shutdown-timeout", "2"]
     url = f"http://127.0.0.1:{port}"
     os.environ["MTPSERVE_API_KEY"] = KEY   # the key from the environment (not visible in ps)
     try:

@@ -57,7 +57,8 @@ def check_metrics(m, k):
 def test_greedy_identical_to_no_speculation(trained1, k, scorer, verification):
     prompts = prompts_for()
     base, _ = run(trained1, None, prompts)
-    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False, "scorer": scorer, "verification": verification}
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False, "scorer": scorer,
+            "verification": verification}
     out, m = run(trained1, spec, prompts)
     assert out == base
     check_metrics(m, k)
@@ -97,7 +98,8 @@ def test_seeded_sampling_same_with_speculation_and_preemption(trained1):
 def test_three_mtp_layers(trained3, k):
     prompts = prompts_for()
     base, _ = run(trained3, None, prompts)
-    out, m = run(trained3, {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}, prompts, max_num_batched_tokens=16)
+    out, m = run(trained3, {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}, prompts,
+                 max_num_batched_tokens=16)
     assert out == base
     check_metrics(m, k)
     assert m["acceptance_rate"] > 0.3
@@ -133,8 +135,9 @@ def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget,
 def test_random_model_and_moe(random_ckpt):
     prompts = [[5, 6, 7], list(range(10, 40)), [9]]
     base, _ = run(random_ckpt, None, prompts)
-    for spec in [{"num_speculative_tokens": 2, "adaptive": False}, {"num_speculative_tokens": 3, "verification": "block",
-                                                  "scorer": "batch_expansion", "draft_sampling": "greedy"}]:
+    for spec in [{"num_speculative_tokens": 2, "adaptive": False},
+                 {"num_speculative_tokens": 3, "adaptive": False, "verification": "block", "scorer": "batch_expansion",
+                  "draft_sampling": "greedy"}]:
         out, m = run(random_ckpt, spec, prompts, max_num_batched_tokens=8)
         assert out == base
 

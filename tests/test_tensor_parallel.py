@@ -62,7 +62,8 @@ MIXED = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperat
     # preemption (11 blocks of 4 slots cannot hold three requests of ~55 tokens)
     dict(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}, max_num_batched_tokens=8,
          num_kv_blocks=24, block_size=4),
-    dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False, "scorer": "batch_expansion"}),
+    dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False,
+                             "scorer": "batch_expansion"}),
     dict(speculative_config=None),
     dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, quantization="fp8"),
     # adaptive k, forced to switch between 0 and 3: steps leave MTP KV owed on every rank alike (each rank's
@@ -206,7 +207,8 @@ def test_fp8_checkpoint_slices_dequantize_like_the_whole(tmp_path):
 
 def test_torchrun_launch_generates_like_one_process(ckpt, tmp_path):
     prompt = "def add(a, b):"
-    ref = LLM(model=None, dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
+    ref = LLM(model=None, dtype="float32",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
     expected = ref.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "mtpserve.cli", "generate", "-tp", "2", "--dtype", "float32",

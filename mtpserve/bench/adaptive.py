@@ -52,7 +52,8 @@ def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int,
     """lockstep: the engines step in turns over each batch (run_lockstep); else each runs it whole, back to back."""
     max_batch = max(batch_sizes)
     specs = {"no_mtp": None}
-    specs.update({f"mtp_k{k}": {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} for k in range(1, max_k + 1)})
+    specs.update({f"mtp_k{k}": {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}
+                  for k in range(1, max_k + 1)})
     specs[f"adaptive_k{max_k}"] = {"method": "mtp", "num_speculative_tokens": max_k, "adaptive": True}
     engines = {name: build_engine(model, spec, max_batch, input_len + output_len, enforce_eager, dtype,
                                   graph_batch_sizes=batch_sizes) for name, spec in specs.items()}

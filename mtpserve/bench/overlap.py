@@ -12,7 +12,8 @@ def run_overlap(model: str, ks: list[int], batch_sizes: list[int], modes: list[s
                 output_len: int, num_iters: int, dtype: str = "auto", log=print) -> dict:
     configs = [(m, k, o) for m in modes for k in ks for o in (False, True)]
     max_batch = max(batch_sizes)
-    engines = {c: build_engine(model, {"method": "mtp", "num_speculative_tokens": c[1], "adaptive": False} if c[1] else None, max_batch,
+    engines = {c: build_engine(model, {"method": "mtp", "num_speculative_tokens": c[1], "adaptive": False}
+                               if c[1] else None, max_batch,
                                input_len + output_len, c[0] == "eager", dtype, graph_batch_sizes=batch_sizes,
                                overlap=c[2]) for c in configs}
     by_name = run_interleaved({name(c): eng for c, eng in engines.items()}, batch_sizes, input_len, output_len,
