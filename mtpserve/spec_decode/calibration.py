@@ -40,7 +40,7 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     turns = [k for k in range(policy.max_k + 1) for _ in range(3)]
     policy.timed.clear()
     for batch in sizes:
-        step, warm = 0, False
+        step = 0
         for attempt in range(MAX_REQUEST_SETS):   # (a fresh set when the last ends before the k are timed)
             ids = [f"adaptive-calibration-{batch}-{attempt}-{i}" for i in range(batch)]
             try:
@@ -48,8 +48,7 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
                     prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
                     engine.add_request(rid, None, prompt, params)
                 while engine.has_unfinished_requests() and not timed_enough(policy, batch):
-                    if not warm and step == WARMUP_TURNS * len(turns):
-                        warm, step = True, 0
+                    if step == WARMUP_TURNS * len(turns):   # (whole turns: the k go on in order)
                         forget_times(policy, batch)
                     policy.forced = turns[step % len(turns)]
                     engine.step()
