@@ -164,8 +164,9 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
               SamplingParams(temperature=1.5, top_p=0.95, max_tokens=20, ignore_eos=True, seed=7)]
     prompts = prompts_for()[:4]
     spec = {"num_speculative_tokens": 2, "adaptive": True}
-    graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64)
-    eager, plain = LLM(path, speculative_config=spec), LLM(path)
+    few = dict(max_num_seqs=4)   # (the start-up calibration then times batches of 1 and 4 only)
+    graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64, **few)
+    eager, plain = LLM(path, speculative_config=spec, **few), LLM(path)
     eager.engine.runner.proposer.switch_down_keeps_depth = True
     eager.engine.runner.pads_switch_ups = True
     calibration_padded = graph.engine.runner.pass_counts["switch_up_padded"]
@@ -212,6 +213,15 @@ def test_calibration_times_the_k_in_turns(trained1, monkeypatch):
     kept = llm.engine.adaptive.timed   # (until every k has its timed steps at every size, hardly more)
     assert all(calibration.TIMED_PER_K <= len(kept[k][b]) <= calibration.TIMED_PER_K + 1
                for k in range(3) for b in (1, 4, 16, 64))
+
+
+def test_calibration_times_batches_one_step_takes_at_the_largest_k(trained1):
+    """With a token budget of 8, a step verifies at most 2 requests at k = 3 (4 tokens each): the calibration
+    times batch sizes 1 and 2 only, every k at both (a batch of 4 would be cut into steps of 2 at k = 3)."""
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, max_num_batched_tokens=8)
+    timed = llm.engine.adaptive.timed
+    assert {b for k in timed for b in timed[k]} == {1, 2}
+    assert all(len(timed[k][b]) >= calibration.TIMED_PER_K for k in range(4) for b in (1, 2))
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["step-call", "until-next-step"])

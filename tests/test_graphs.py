@@ -7,8 +7,9 @@ from torch._dynamo.utils import counters
 from mtpserve import LLM, SamplingParams
 from tiny_models import trained_checkpoint
 
-# 3 requests with different lengths: the decode batch shrinks 3 -> 2 -> 1, hitting graph size 2 exactly,
-# padding 3 -> 4 and 1 -> 1; a 5th and 6th request make a batch above the largest graph (eager).
+# 3 requests with different lengths: the decode batch shrinks 3 -> 2 -> 1, hitting graph size 2 exactly (sizes
+# 1, 2, 4; with 1 and 4, 2 pads too), padding 3 -> 4 and 1 -> 1; a 5th and 6th request make a batch above the
+# largest graph (eager). (Every graph costs 20-50 s to compile here: the MTP cases build fewer sizes.)
 PROMPTS = [[5, 8, 11], [20, 21, 22, 23, 24, 25, 26], [30, 32], [2, 5, 8, 11, 14], [40, 41], [9, 12, 15]]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in [16, 10, 4, 12, 6, 3]]
 # seeded sampling (the same tokens with or without speculation, in graphs or eagerly) beside a greedy request
@@ -27,29 +28,29 @@ def ckpt2(tmp_path_factory):
     return trained_checkpoint(tmp_path_factory.mktemp("graphs2"), num_mtp_layers=2)
 
 
-@pytest.mark.parametrize("spec, overlap", [
-    (None, False), ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, True),
-    ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False, "fused_graph_step": False}, False)],
+@pytest.mark.parametrize("spec, overlap, sizes", [
+    (None, False, [1, 2, 4]), ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, True, [1, 4]),
+    ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False, "fused_graph_step": False}, False, [1, 4])],
     ids=["plain", "mtp-k2-overlap", "mtp-k2-unfused"])
-def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec, overlap):
+def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec, overlap, sizes):
     """(With overlap, the graphs built at start-up run on the model thread.)"""
-    check_graph_mode(ckpt, spec, overlap)
+    check_graph_mode(ckpt, spec, sizes, overlap)
 
 
 def test_graph_mode_two_mtp_layers(ckpt2):
     """A checkpoint with two MTP layers, k=3: the fused step chains layer 1 for depth 2 and drafts depth 3
     with layer 0 as eager does (the same acceptance at every position); the unfused steps run the chain
     eagerly (no MTP graph of their own is built)."""
-    graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
+    graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}, [4])
     assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "fused", "fused_sampled"}
     assert graph.get_metrics()["acceptance_rate"] > 0.3
 
 
-def check_graph_mode(ckpt, spec, overlap=False):
+def check_graph_mode(ckpt, spec, sizes, overlap=False):
     """Graph mode gives eager's tokens, greedy and seeded sampling (MTP decode steps run fused:
     spec_decode/fused.py), and the same acceptance at every draft position (the same drafts)."""
     eager = LLM(ckpt, speculative_config=spec, enforce_eager=True)
-    graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1, 2, 4], max_model_len=64,
+    graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=sizes, max_model_len=64,
                 overlap=overlap)
     assert graph.engine.graph_warmup_seconds > 0
     frames_after_warmup = counters["stats"]["unique_graphs"]

@@ -14,8 +14,8 @@ WARMUP_TURNS = 1     # turns through every k per batch size before timing (a fre
 
 
 def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int = 96) -> None:
-    """Start-up: real decode steps for every k at batch sizes 1, 4, 16 and max_num_seqs (up to 64, and at most as
-    many as the KV cache holds at once), timed by the engine's own step loop (observe), on random prompts. The
+    """Start-up: real decode steps for every k at batch sizes 1, 4, 16 and max_num_seqs (up to 64, at most as
+    many as the KV cache holds at once, and as one step's token budget takes at the largest k), timed by the engine's own step loop (observe), on random prompts. The
     k take turns step by step (each held for three steps, the third the one timed: it verifies and drafts that
     k after a step that did too; adaptive.observe), so that every k's steps are timed within moments of the
     others': their ratios are what the policy prices by, and this machine's speed drifts. At each size, one
@@ -35,7 +35,8 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     max_tokens = max(1, min(max_tokens, room - prompt_len))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     per_request = -(-(prompt_len + max_tokens + engine.max_step_overshoot) // engine.config.block_size)
-    most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request))   # (no preemption)
+    most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request,   # (no preemption)
+                      engine.config.max_num_batched_tokens // (1 + policy.max_k)))   # (one step at every k)
     sizes = sorted({1, min(4, most), min(16, most), min(64, most)})
     turns = [k for k in range(policy.max_k + 1) for _ in range(3)]
     policy.timed.clear()
