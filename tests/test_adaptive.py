@@ -159,7 +159,7 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     guessed are known; a step switching down drafts as many as it verifies, keeping fewer; one switching up pads
     its drafts.)"""
     monkeypatch.setattr(mtp, "MAX_OWED", 0)
-    path = random_checkpoint(tmp_path, num_nextn_predict_layers=3)
+    path = random_checkpoint(tmp_path, num_nextn_predict_layers=3, num_hidden_layers=2)   # (9 graphs to build)
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=1.5, top_p=0.95, max_tokens=20, ignore_eos=True, seed=7)]
     prompts = prompts_for()[:4]
