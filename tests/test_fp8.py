@@ -85,8 +85,8 @@ def test_fp8_weights_take_a_byte_per_value_plus_a_scale_per_block(checkpoints):
 
 
 def test_fp8_graph_mode_matches_eager(checkpoints):
-    """FP8 linear layers inside a compiled graph (the MTP layer's are the same modules, run eagerly above; its
-    graphs cost a minute and a half more to build here)."""
+    """FP8 linear layers inside a compiled graph, without speculation: the MTP layer's FP8 linears are the same
+    modules, run eagerly by the tests above, and its graphs would cost a minute and a half more to build here."""
     fp8, _, _ = checkpoints
     eager, _ = generate(fp8, spec=None)
     graph, _ = generate(fp8, spec=None, enforce_eager=False, graph_batch_sizes=[4])

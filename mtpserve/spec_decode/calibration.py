@@ -14,15 +14,15 @@ WARMUP_TURNS = 1     # turns through every k per batch size before timing (a fre
 
 
 def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int = 96) -> None:
-    """Start-up: real decode steps for every k at batch sizes 1, 4, 16 and max_num_seqs (up to 64, at most as
-    many as the KV cache holds at once, and as one step's token budget takes at the largest k), timed by the engine's own step loop (observe), on random prompts. The
-    k take turns step by step (each held for three steps, the third the one timed: it verifies and drafts that
-    k after a step that did too; adaptive.observe), so that every k's steps are timed within moments of the
-    others': their ratios are what the policy prices by, and this machine's speed drifts. At each size, one
-    untimed turn through every k warms up, then the turns go on until every k has TIMED_PER_K steps timed (three
-    steps per k left cost ratios a fifth off at batch 64), on requests of max_tokens each on short prompts (a
-    fresh set when they end first; at most MAX_REQUEST_SETS). Their acceptance, the engine's spec-decode counters
-    and preemption counts are forgotten afterwards."""
+    """Start-up: real decode steps for every k at batch sizes 1, 4, 16 and max_num_seqs (up to 64, at most as many
+    as the KV cache holds at once, and as one step's token budget takes at the largest k), timed by the engine's own
+    step loop (observe), on random prompts. The k take turns step by step (each held for three steps, the third the
+    one timed: it verifies and drafts that k after a step that did too; adaptive.observe), so that every k's steps
+    are timed within moments of the others': their ratios are what the policy prices by, and this machine's speed
+    drifts. At each size, one untimed turn through every k warms up, then the turns go on until every k has
+    TIMED_PER_K steps timed (three steps per k left cost ratios a fifth off at batch 64), on requests of max_tokens
+    each on short prompts (a fresh set when they end first; at most MAX_REQUEST_SETS). Their acceptance, the
+    engine's spec-decode counters and preemption counts are forgotten afterwards."""
     import torch
 
     from mtpserve.sampling_params import SamplingParams
