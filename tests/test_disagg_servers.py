@@ -43,11 +43,15 @@ class Deployment:
 
     def __init__(self, stack, ckpt, k, decode_flags, logs):
         self.prefill, self.decode = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        serve = ["mtpserve.serve.openai_api", "--model", ckpt, "--speculative-config", spec(k), "--max-num-seqs", "8",
-                 "--num-kv-blocks", "64", "--dtype", "float32"]
+        common = ["--max-num-seqs", "8", "--num-kv-blocks", "64", "--dtype", "float32"]
+        serve = ["mtpserve.serve.openai_api", "--model", ckpt, "--speculative-config", spec(k)] + common
+        # the prefill server gets the default (adaptive): as a kv_producer it drafts a fixed k
+        default_spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
+        self.prefill_log = logs / f"p{k}.log"
         stack.enter_context(server_process(
-            serve + ["--port", self.prefill.rsplit(":", 1)[1], "--enforce-eager", "--kv-transfer-config",
-                     kv_config("kv_producer", free_port(), kv_transfer_timeout=3)], self.prefill, logs / f"p{k}.log"))
+            ["mtpserve.serve.openai_api", "--model", ckpt, "--speculative-config", default_spec] + common + [
+                "--port", self.prefill.rsplit(":", 1)[1], "--enforce-eager", "--kv-transfer-config",
+                kv_config("kv_producer", free_port(), kv_transfer_timeout=3)], self.prefill, self.prefill_log))
         stack.enter_context(server_process(
             serve + ["--port", self.decode.rsplit(":", 1)[1], *decode_flags, "--kv-transfer-config",
                      kv_config("kv_consumer", free_port(), kv_pull_timeout=5)], self.decode, logs / f"d{k}.log",
@@ -113,6 +117,23 @@ def test_greedy_through_the_proxy_equals_one_engine(ckpt, deployments, k, scheme
     assert padded == (len(PROMPTS) if scheme == "hidden" else 0)   # one padded first step per request
     assert metric(d.decode, "mtpserve:spec_decode_num_accepted_tokens_total") > 0
     assert wait_all_free(d.prefill) and wait_all_free(d.decode)
+
+
+def test_prefill_server_drafts_a_fixed_k_without_calibrating(deployments):
+    log = deployments[2].prefill_log.read_text()
+    assert "kv_producer: MTP drafts a fixed 2 tokens" in log
+    assert "step costs calibrated" not in log
+
+
+@pytest.mark.parametrize("role, given, adaptive", [
+    ("kv_producer", {}, False), ("kv_producer", {"adaptive": True}, True), ("kv_consumer", {}, None),
+    ("kv_both", {}, None)])
+def test_only_a_prefill_server_fixes_k_and_only_when_not_told(role, given, adaptive):
+    from mtpserve.serve.server import prefill_server_speculation
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, **given}
+    assert prefill_server_speculation(mtp, role).get("adaptive") == adaptive
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert prefill_server_speculation(ngram, role) == ngram and prefill_server_speculation(None, role) is None
 
 
 def test_seeded_sampling_through_the_proxy(ckpt, deployments):

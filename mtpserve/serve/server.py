@@ -50,6 +50,19 @@ def build_engine(args):
     return LLMEngine.from_kwargs(**engine_kwargs(args))
 
 
+def prefill_server_speculation(speculative_config: dict | None, kv_role: str) -> dict | None:
+    """A prefill server (kv_producer) hands every request over after its prefill step, which drafts the full k
+    (spec_decode/adaptive.py), so adaptive k has no step to choose for: unless the config says "adaptive", MTP
+    starts with fixed k, without the calibration's 5-15 s and, in graph mode, with one k's graphs, not k + 1."""
+    spec = speculative_config
+    if (kv_role != "kv_producer" or not isinstance(spec, dict) or "adaptive" in spec
+            or spec.get("method") not in ("mtp", "deepseek_mtp")):
+        return spec
+    logger.info("kv_producer: MTP drafts a fixed %s tokens (add \"adaptive\": true to adapt them)",
+                spec.get("num_speculative_tokens"))
+    return {**spec, "adaptive": False}
+
+
 def _chat_template(value: str | None) -> str | None:
     if value is None or not os.path.isfile(value):
         return value
@@ -104,6 +117,14 @@ def run_server(args) -> None:
     from mtpserve.engine.setup import engine_config, run_non_front_ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_serve_args(args)
+    kv_config = None
+    if args.kv_transfer_config:
+        from mtpserve.disagg.connector import KVConnector, KVTransferConfig
+        try:
+            kv_config = KVTransferConfig.from_json(args.kv_transfer_config)
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"--kv-transfer-config: {e}")
+        args.speculative_config = prefill_server_speculation(args.speculative_config, kv_config.kv_role)
     if run_non_front_ranks(engine_config(**engine_kwargs(args))):
         return   # a node after the first: its ranks served node 0's engine until it stopped
     server = None
@@ -112,13 +133,6 @@ def run_server(args) -> None:
         if server is not None:
             server.should_exit = True
 
-    kv_config = None
-    if args.kv_transfer_config:
-        from mtpserve.disagg.connector import KVConnector, KVTransferConfig
-        try:
-            kv_config = KVTransferConfig.from_json(args.kv_transfer_config)
-        except (ValueError, TypeError) as e:
-            raise SystemExit(f"--kv-transfer-config: {e}")
     async_engine = AsyncEngine(build_engine(args), max_queue_len=args.max_queue_len, on_fatal=stop_serving)
     kv_connector = KVConnector(kv_config, async_engine) if kv_config else None
     names = args.served_model_name or [args.model or "mtpserve-default"]
