@@ -80,10 +80,13 @@ def test_bench_latency(ckpt, tmp_path):
 
 
 def test_bench_latency_eager_and_graph_side_by_side(ckpt, tmp_path):
-    """--modes eager,graph: one engine per (mode, k), the graph-over-eager ratios, the seed's graph table."""
+    """--modes eager,graph: one engine per (mode, k), the graph-over-eager ratios, the seed's graph table. (The
+    separate graphs: the fused step's two, greedy and sampled, would double the compile time of a test of the
+    bench tool; tests/test_graphs.py tests the fused step.)"""
     from mtpserve.bench import report
     rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,1", "--modes", "eager,graph", "--input-len", "5",
-                   "--output-len", "6", "--num-iters", "1"], tmp_path / "modes.json")
+                   "--output-len", "6", "--num-iters", "1", "--speculative-config",
+                   '{"method": "mtp", "fused_graph_step": false}'], tmp_path / "modes.json")
     rows = {(r["mode"], r["k"]): r for r in rec["results"]["configs"]}
     assert set(rows) == {("eager", 0), ("eager", 1), ("graph", 0), ("graph", 1)}
     for k in (0, 1):
