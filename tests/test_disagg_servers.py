@@ -43,17 +43,17 @@ class Deployment:
 
     def __init__(self, stack, ckpt, k, decode_flags, logs):
         self.prefill, self.decode = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        common = ["--max-num-seqs", "8", "--num-kv-blocks", "64", "--dtype", "float32"]
-        serve = ["mtpserve.serve.openai_api", "--model", ckpt, "--speculative-config", spec(k)] + common
+        def serve(spec_json):
+            return ["mtpserve.serve.openai_api", "--model", ckpt, "--speculative-config", spec_json, "--max-num-seqs",
+                    "8", "--num-kv-blocks", "64", "--dtype", "float32"]
         # the prefill server gets the default (adaptive): as a kv_producer it drafts a fixed k
-        default_spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
         self.prefill_log = logs / f"p{k}.log"
         stack.enter_context(server_process(
-            ["mtpserve.serve.openai_api", "--model", ckpt, "--speculative-config", default_spec] + common + [
+            serve(json.dumps({"method": "mtp", "num_speculative_tokens": k})) + [
                 "--port", self.prefill.rsplit(":", 1)[1], "--enforce-eager", "--kv-transfer-config",
                 kv_config("kv_producer", free_port(), kv_transfer_timeout=3)], self.prefill, self.prefill_log))
         stack.enter_context(server_process(
-            serve + ["--port", self.decode.rsplit(":", 1)[1], *decode_flags, "--kv-transfer-config",
+            serve(spec(k)) + ["--port", self.decode.rsplit(":", 1)[1], *decode_flags, "--kv-transfer-config",
                      kv_config("kv_consumer", free_port(), kv_pull_timeout=5)], self.decode, logs / f"d{k}.log",
             timeout=300))
         self.proxies = {}
@@ -134,6 +134,8 @@ def test_only_a_prefill_server_fixes_k_and_only_when_not_told(role, given, adapt
     assert prefill_server_speculation(mtp, role).get("adaptive") == adaptive
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     assert prefill_server_speculation(ngram, role) == ngram and prefill_server_speculation(None, role) is None
+    without_method = prefill_server_speculation({"num_speculative_tokens": 2}, role)   # (mtp is the default)
+    assert without_method.get("adaptive") == (False if role == "kv_producer" else None)
 
 
 def test_seeded_sampling_through_the_proxy(ckpt, deployments):

@@ -54,9 +54,15 @@ def prefill_server_speculation(speculative_config: dict | None, kv_role: str) ->
     """A prefill server (kv_producer) hands every request over after its prefill step, which drafts the full k
     (spec_decode/adaptive.py), so adaptive k has no step to choose for: unless the config says "adaptive", MTP
     starts with fixed k, without the calibration's 5-15 s and, in graph mode, with one k's graphs, not k + 1."""
+    from mtpserve.config import SpeculativeConfig
     spec = speculative_config
-    if (kv_role != "kv_producer" or not isinstance(spec, dict) or "adaptive" in spec
-            or spec.get("method") not in ("mtp", "deepseek_mtp")):
+    if kv_role != "kv_producer" or not isinstance(spec, dict) or "adaptive" in spec:
+        return spec
+    try:
+        adapts = SpeculativeConfig.from_dict(spec).adaptive   # (the one place that knows the defaults)
+    except (ValueError, TypeError):
+        return spec   # (the engine names the error)
+    if not adapts:
         return spec
     logger.info("kv_producer: MTP drafts a fixed %s tokens (add \"adaptive\": true to adapt them)",
                 spec.get("num_speculative_tokens"))
