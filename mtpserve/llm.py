@@ -15,6 +15,7 @@ class LLM:
         self.engine = LLMEngine.from_kwargs(model=model, speculative_config=speculative_config,
                                             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                                             max_model_len=max_model_len, dtype=dtype, seed=seed, **engine_kwargs)
+        self.engine.calibrate()
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -1,10 +1,10 @@
 """Adaptive speculation length in the engine: losslessness while k switches between 0 and its maximum from
-step to step, the MTP passes a step runs for the k it drafts, graph mode, and the k reported. (The policy
+step to step, the MTP passes a step runs for the k it drafts, graph mode, the calibration, and the k reported. (The policy
 itself: test_adaptive_policy.py.)"""
 import pytest
 
 from mtpserve import LLM, SamplingParams
-from mtpserve.spec_decode import adaptive, calibration, mtp
+from mtpserve.spec_decode import adaptive
 from test_spec_decode import (GREEDY, assert_follows, exact_joint, fill_mtp_caches_with_noise,  # noqa: F401
                               prompts_for, run, trained1, trained3)
 from tiny_models import random_checkpoint
@@ -49,17 +49,12 @@ def test_greedy_and_seeded_identical_while_k_switches(trained1, monkeypatch, tig
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("budget,ks,max_owed", [(None, [0, 1, 2, 3], 64), (8, [0, 1, 2, 3], 64),
-                                                    (None, [0, 0, 0, 3, 2, 0, 0, 1, 0], 3)],
-                         ids=["whole-prompts", "chunked", "deferred-to-the-bound-then-chained"])
-def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget, ks, max_owed):
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole-prompts", "chunked"])
+def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
     """3 MTP layers, adaptive up to 3: the depths with a layer of their own chain it as fixed k does, and every
-    step that runs MTP passes (prompt chunks, and steps drafting fewer depths; steps drafting none defer theirs)
-    runs each own layer to keep its cache whole: with the MTP caches filled with noise first, drafts and
-    acceptance are the same. (The third: steps drafting none defer until a request would owe more than 3
-    positions, and drafting resumes at k = 3, the owed positions run through the whole chain.)"""
+    step (prompt chunks, and steps drafting fewer depths or none) runs each own layer to keep its cache whole:
+    with the MTP caches filled with noise first, drafts and acceptance are the same."""
     from collections import Counter
-    monkeypatch.setattr(mtp, "MAX_OWED", max_owed)
     prompts = prompts_for()
     runs = []
     for noise in (False, True):
@@ -68,19 +63,20 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget, ks, ma
         runner = llm.engine.runner
         if noise:
             fill_mtp_caches_with_noise(llm)
-        monkeypatch.setattr(adaptive, "plan_drafts", forcing(ks))
+        monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 1, 2, 3, 0, 0, 3, 2, 0, 1]))
         passes, forward = Counter(), runner.proposer.forward
         runner.proposer.forward = lambda what, *a, **kw: passes.update([what]) or forward(what, *a, **kw)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
-        assert passes["mtp0"] >= passes["mtp1"] >= passes["mtp2"] > 0   # the deeper, the more often left owed
+        assert passes["mtp0"] == passes["mtp1"] == passes["mtp2"] > 0   # every own layer, every step
     assert runs[0] == runs[1]
+    assert runs[0][0] == run(trained3, None, prompts, **({"max_num_batched_tokens": budget} if budget else {}))[0]
 
 
 def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeypatch):
     """Adaptive up to 2 over 3 MTP layers (layer 1 chained): a decode step drafting one token runs layer 0 at
-    the accepted index only and leaves layer 1's KV owed; drafting two, layer 0's outputs everywhere feed layer 1
-    (which first writes what it owed); drafting none, no MTP pass. Greedy tokens stay those of no speculation."""
+    the accepted index only and writes layer 1's KV only; drafting two, layer 0's outputs everywhere feed layer 1;
+    drafting none, both layers write their KV only. Greedy tokens stay those of no speculation."""
     llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
     monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=2))
     runner = llm.engine.runner
@@ -100,38 +96,29 @@ def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeyp
     plain = LLM(trained3).generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     kinds = {k: {tuple(calls) for drafted, calls in steps if drafted == k} for k in (0, 1, 2)}
-    assert kinds == {0: {()}, 1: {(("mtp0", n),)}, 2: {(("mtp0", None), ("mtp1", n))}}
+    assert kinds == {0: {(("mtp0", 0), ("mtp1", 0))}, 1: {(("mtp0", n), ("mtp1", 0))},
+                     2: {(("mtp0", None), ("mtp1", n))}}
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["plain", "chunked-preempted"])
-def test_steps_drafting_nothing_defer_the_mtp_kv(trained1, monkeypatch, tight):
-    """A step drafting none runs no MTP pass; the next one that drafts writes the owed positions' KV first
-    (KV only: layer 0's needs no attention). With the MTP cache filled with noise, every draft is the one an
-    engine writing the KV at each step drafts, and the tokens are those of no speculation; preempted requests
-    drop what they owed (recomputed), and no KV block leaks."""
+def test_steps_drafting_nothing_write_the_mtp_kv(trained1, monkeypatch, tight):
+    """A step drafting none still writes its positions' MTP KV (KV only): with the MTP cache filled with noise
+    first, every draft is the same, the tokens are those of no speculation, and no KV block leaks."""
     kw = dict(max_num_batched_tokens=8, num_kv_blocks=18, block_size=4) if tight else {}
     spec = {"num_speculative_tokens": 3, "adaptive": True}
     runs = []
-    for defer in (True, False):
-        monkeypatch.setattr(mtp, "MAX_OWED", 64 if defer else 0)
+    for noise in (True, False):
         llm = LLM(trained1, speculative_config=spec, **kw)
-        if defer:
+        if noise:
             fill_mtp_caches_with_noise(llm)
         monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 0, 1, 0, 0, 3, 2]))
-        drafts, runner = recording_drafts(llm), llm.engine.runner
-        runner.pass_counts.clear()   # (the calibration's)
-        nothing_drafted, execute = [], runner.execute
-        runner.execute = lambda scheduled: nothing_drafted.append(all(
-            s.samples and s.num_new_tokens == 1 and s.num_next_drafts == 0 for s in scheduled)) or execute(scheduled)
+        drafts = recording_drafts(llm)
         outs = llm.generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
-        counts = runner.pass_counts
-        runs.append(([o.outputs[0].token_ids for o in outs], drafts, counts["main"], counts["mtp"]))
+        runs.append(([o.outputs[0].token_ids for o in outs], drafts))
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
-    (tokens, drafts, main, mtp_passes), (tokens_kept, drafts_kept, main_kept, mtp_kept) = runs
-    assert tokens == tokens_kept == run(trained1, None, prompts_for(), **kw)[0]
-    assert drafts == drafts_kept
-    assert main == main_kept and mtp_kept - mtp_passes == sum(nothing_drafted) > 0   # (one pass each, kept)
+    assert runs[0] == runs[1] and any(d for _, d in runs[0][1])
+    assert runs[0][0] == run(trained1, None, prompts_for(), **kw)[0]
 
 
 def recording_drafts(llm) -> list:
@@ -149,27 +136,19 @@ def recording_drafts(llm) -> list:
 
 def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     """Graph mode with adaptive k (up to 2, 3 MTP layers: layer 1 chained, its KV written also by steps
-    drafting one token): a step that keeps the k of the step before, or drafts fewer than it verifies, runs the
-    fused graph of the k it verifies (greedy and sampled; k = 0 too); one switching up, that of the k it drafts,
-    its drafts padded with guesses where its KV blocks have room; the others the separate graphs and eager
-    chained passes. Tokens are those of eager without speculation, and every step's drafts those of eager
-    adaptive with the same choices of k (the graph engine's MTP caches filled with noise first: a slot read
-    before it is written would change them). (Eager here drafts as graph mode does: every layer's KV written at
-    every step, where an eager step would leave a layer owed and write it later, when the tokens the graph step
-    guessed are known; a step switching down drafts as many as it verifies, keeping fewer; one switching up pads
-    its drafts.)"""
-    monkeypatch.setattr(mtp, "MAX_OWED", 0)
+    drafting one token or none): a step that keeps the k of the step before runs the fused graph of that k
+    (greedy and sampled; k = 0 too); a step changing k runs the separate graphs and eager chained passes. Tokens
+    are those of eager without speculation, and every step's drafts those of eager adaptive with the same choices
+    of k (the graph engine's MTP caches filled with noise first: a slot read before it is written would change
+    them)."""
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=3, num_hidden_layers=2)   # (9 graphs to build)
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=1.5, top_p=0.95, max_tokens=20, ignore_eos=True, seed=7)]
     prompts = prompts_for()[:4]
     spec = {"num_speculative_tokens": 2, "adaptive": True}
-    few = dict(max_num_seqs=4)   # (the start-up calibration then times batches of 1 and 4 only)
+    few = dict(max_num_seqs=4)
     graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64, **few)
     eager, plain = LLM(path, speculative_config=spec, **few), LLM(path)
-    eager.engine.runner.proposer.switch_down_keeps_depth = True
-    eager.engine.runner.pads_switch_ups = True
-    calibration_padded = graph.engine.runner.pass_counts["switch_up_padded"]
     fill_mtp_caches_with_noise(graph)
     drafts = [recording_drafts(eager), recording_drafts(graph)]
     fused_ks, fused_step = [], graph.engine.runner._fused_step   # (k verified, k drafted next)
@@ -190,75 +169,32 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     assert drafts[0] == drafts[1] and len(drafts[0]) > 50
     assert {what for what, _, q in graph.engine.runner.graphs.graphs if what.startswith("fused")} == {
         "fused", "fused_sampled"}
-    # k = 0 (plain decoding with the MTP KV passes) fused too, and the switch from 2 down to 0; switches up
-    # (0 -> 1, 1 -> 2) padded with guesses to the fused graph of the k they switch to, alike in both engines
-    assert set(fused_ks) == {(0, 0), (1, 1), (2, 2), (2, 0)}
-    padded = graph.engine.runner.pass_counts["switch_up_padded"] - calibration_padded
-    assert padded > 0 and padded == eager.engine.runner.pass_counts["switch_up_padded"]
+    assert set(fused_ks) == {(0, 0), (1, 1), (2, 2)}   # k = 0 (plain decoding with the MTP KV passes) fused too
 
 
-def test_calibration_times_the_k_in_turns(trained1, monkeypatch):
-    """Start-up calibration times every k within moments of the others (their ratios price the k not in use,
-    and the machine's speed drifts): its steady steps cycle through k, rather than one k's run after another's,
-    and every pair of k gets a cost ratio."""
-    from mtpserve.spec_decode.adaptive import AdaptiveK
-    timed, observe = [], AdaptiveK.observe_step
-    monkeypatch.setattr(AdaptiveK, "observe_step", lambda self, batch, k, seconds: (
-        timed.append((batch, k)), observe(self, batch, k, seconds)))
-    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
-    at_64 = [k for batch, k in timed if batch == 64]
-    breaks = sum(b != (a + 1) % 3 for a, b in zip(at_64, at_64[1:]))
-    assert len(at_64) >= 12 and breaks <= 1   # (the one: from the warm-up turn to the timed ones)
-    assert set(llm.engine.adaptive.relative) == {(0, 1), (0, 2), (1, 2)}
-    kept = llm.engine.adaptive.timed   # (until every k has its timed steps at every size, hardly more)
-    assert all(calibration.TIMED_PER_K <= len(kept[k][b]) <= calibration.TIMED_PER_K + 1
-               for k in range(3) for b in (1, 4, 16, 64))
+def test_calibration_times_every_k_at_each_size(trained1):
+    """LLM calibrates at start-up (LLMEngine.calibrate): a step cost for every k at 1, 4, 16 and 64; an engine
+    built alone is uncalibrated and drafts the maximum k until it is."""
+    from mtpserve.engine.engine import LLMEngine
+    spec = {"num_speculative_tokens": 2, "adaptive": True}
+    table = LLM(trained1, speculative_config=spec).engine.adaptive.table
+    assert set(table) == {0, 1, 2} and all(set(table[k]) == {1, 4, 16, 64} for k in table)
+    assert all(s > 0 for k in table for s in table[k].values())
+    bare = LLMEngine.from_kwargs(trained1, spec)
+    assert bare.adaptive.table == {} and bare.adaptive.choose(4) == 2
 
 
 def test_calibration_times_batches_one_step_takes_at_the_largest_k(trained1):
     """With a token budget of 8, a step verifies at most 2 requests at k = 3 (4 tokens each): the calibration
     times batch sizes 1 and 2 only, every k at both (a batch of 4 would be cut into steps of 2 at k = 3)."""
     llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, max_num_batched_tokens=8)
-    timed = llm.engine.adaptive.timed
-    assert {b for k in timed for b in timed[k]} == {1, 2}
-    assert all(len(timed[k][b]) >= calibration.TIMED_PER_K for k in range(4) for b in (1, 2))
-
-
-@pytest.mark.parametrize("apart", [False, True], ids=["step-call", "until-next-step"])
-def test_a_server_times_a_step_until_the_next_one_starts(trained1, monkeypatch, apart):
-    """Behind a server (AsyncEngine: step_timing.behind_a_server) a step's cost includes the caller's work until the
-    next step starts (streaming, stats); offline, the step() call alone. An abort drops the pending time (the
-    next step may come after an idle wait)."""
-    import time
-    from mtpserve.engine.async_engine import AsyncEngine
-    from mtpserve.spec_decode.adaptive import AdaptiveK
-    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
-    engine = llm.engine
-    if apart:
-        AsyncEngine(engine).shutdown()
-    assert engine.step_timing.apart == apart
-    assert engine.adaptive.draft_premium == (0.0 if apart else adaptive.DRAFT_PREMIUM)   # a server's batch refills
-    timed, observe = [], AdaptiveK.observe_step
-    monkeypatch.setattr(AdaptiveK, "observe_step", lambda self, batch, k, seconds: (
-        timed.append(seconds), observe(self, batch, k, seconds)))
-    monkeypatch.setattr(adaptive, "plan_drafts", forcing([1]))
-    engine.add_request("a", None, prompts_for()[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    for _ in range(12):
-        engine.step()
-        time.sleep(0.05)   # the caller's work between steps
-    engine.abort_request("a")
-    assert len(timed) >= 5 and all((s >= 0.05) == apart for s in timed)
-    assert engine.step_timing.pending is None
-    time.sleep(0.3)   # idle
-    engine.add_request("b", None, prompts_for()[1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert max(timed) < 0.3   # (the aborted request's last step was not timed across the idle wait)
+    table = llm.engine.adaptive.table
+    assert set(table) == {0, 1, 2, 3} and all(set(table[k]) == {1, 2} for k in table)
 
 
 def test_adaptive_engine_picks_and_reports_k(trained1):
     llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
-    costs = llm.engine.adaptive.step_seconds
+    costs = llm.engine.adaptive.table
     assert set(costs) == {0, 1, 2} and all(costs[k] for k in costs)   # calibrated at start-up, every k
     assert all({1, 4, 16, 64} <= set(costs[k]) for k in costs)         # ... at 1, 4, 16 and max_num_seqs
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -66,8 +66,7 @@ MIXED = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperat
                              "scorer": "batch_expansion"}),
     dict(speculative_config=None),
     dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, quantization="fp8"),
-    # adaptive k, forced to switch between 0 and 3: steps leave MTP KV owed on every rank alike (each rank's
-    # copy of the requests keeps the hidden states; a preempted request drops them)
+    # adaptive k, forced to switch between 0 and 3 (every rank runs the same MTP passes, KV-only ones too)
     dict(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
          max_num_batched_tokens=8, num_kv_blocks=24, block_size=4),
 ], ids=["mtp_k3_chunked_preempted", "mtp_k1_batch_expansion", "no_spec", "fp8_in_memory", "adaptive_k_forced"])

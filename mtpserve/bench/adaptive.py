@@ -98,7 +98,7 @@ def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int,
                          outputs_match_no_mtp=all(tokens[(bs, n)] == tokens[(bs, "no_mtp")] for n in engines)))
     return dict(configs=list(engines), rows=rows, final_acceptance_by_position=adaptive.adaptive.acceptance(),
                 calibrated_step_ms={k: {b: round(s * 1e3, 3) for b, s in sorted(t.items())}
-                                    for k, t in sorted(adaptive.adaptive.step_seconds.items())})
+                                    for k, t in sorted(adaptive.adaptive.table.items())})
 
 
 def table(res: dict) -> list[str]:

@@ -39,10 +39,12 @@ def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, en
     blocks = max_batch * (-(-(max_len + k + 1) // block_size)) + 8
     # graph mode: one graph size, the batch (unless told)
     graphs = {} if enforce_eager is not False else {"graph_batch_sizes": graph_batch_sizes or [max_batch]}
-    return LLMEngine.from_kwargs(model=model, speculative_config=spec, max_num_seqs=max_batch,
-                                 max_num_batched_tokens=max(2048, max_batch * max_len), max_model_len=max_len + k + 8,
-                                 num_kv_blocks=blocks, block_size=block_size, enforce_eager=enforce_eager, dtype=dtype,
-                                 tensor_parallel_size=tensor_parallel_size, overlap=overlap, **graphs)
+    engine = LLMEngine.from_kwargs(model=model, speculative_config=spec, max_num_seqs=max_batch,
+                                   max_num_batched_tokens=max(2048, max_batch * max_len), max_model_len=max_len + k + 8,
+                                   num_kv_blocks=blocks, block_size=block_size, enforce_eager=enforce_eager, dtype=dtype,
+                                   tensor_parallel_size=tensor_parallel_size, overlap=overlap, **graphs)
+    engine.calibrate()
+    return engine
 
 
 def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b", temperature: float = 0.0) -> dict:

@@ -80,8 +80,6 @@ class AsyncEngine:
         """on_outputs(outputs, now) / on_abort(request_id): called on the engine thread after each step /
         abort (metrics); on_fatal(): once, when the engine can run no more steps."""
         self.engine = engine
-        if getattr(engine, "step_timing", None) is not None:   # adaptive k: this loop's work between steps
-            engine.step_timing.behind_a_server()                 # costs them too; the batch is refilled
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_queue_len = max_queue_len

@@ -11,7 +11,6 @@ from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, request_seed
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front, load_tokenizer
-from mtpserve.engine.step_timing import StepTiming
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
 from mtpserve.sampling_params import SamplingParams
@@ -53,8 +52,7 @@ class LLMEngine:
                         if cfg.speculative and cfg.speculative.adaptive else "", self.graph_warmup_seconds, cache_dir())
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
-        self.adaptive = (adaptive.make_policy(k, self.runner.builds_fused_step)
-                         if cfg.speculative and cfg.speculative.adaptive else None)
+        self.adaptive = adaptive.AdaptiveK(k) if cfg.speculative and cfg.speculative.adaptive else None
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -66,9 +64,19 @@ class LLMEngine:
         self.overlap = cfg.overlap
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="mtpserve-model") if cfg.overlap else None
         self._in_flight: Flight | None = None
-        self.step_timing = StepTiming(self.adaptive) if self.adaptive is not None else None
+
+    def calibrate(self) -> None:
+        """Start-up, adaptive speculation length: times decode steps of every k (spec_decode/calibration.py);
+        until then the policy drafts the maximum k."""
         if self.adaptive is not None:
             calibration.calibrate(self, self.adaptive)
+
+    def reset_stats(self) -> None:
+        """Forgets the spec-decode counters and preemption counts (after the calibration's steps)."""
+        if self.spec_metrics is not None:
+            self.spec_metrics = SpecDecodeMetrics(self.spec_metrics.num_speculative_tokens)
+        for core in self.cores:
+            core.num_preemptions = 0
 
     @property
     def max_num_seqs(self) -> int:
@@ -113,8 +121,6 @@ class LLMEngine:
         self.children[request_id] = children
 
     def abort_request(self, request_id: str) -> None:
-        if self.step_timing is not None:
-            self.step_timing.untimed()
         for req in self.children.get(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
@@ -133,8 +139,6 @@ class LLMEngine:
         model thread, and the outputs returned are the step before's, finished (detokenised, stop strings
         checked) while this one runs."""
         started = time.perf_counter()
-        if self.step_timing is not None:
-            self.step_timing.step_started(started)
         done = self._collect() if self._in_flight is not None else None
         self._in_flight = self._launch()
         if not self.overlap and self._in_flight is not None:
@@ -143,9 +147,9 @@ class LLMEngine:
             return []
         flight, results, progressed, appended = done
         outputs = self._finish_outputs(progressed, appended)
-        if self.step_timing is not None:   # the whole call: the forward and the engine's own work on the step
-            self.step_timing.step_done(flight.steady_batch, results, flight.k_next, started,
-                                       self.has_unfinished_requests())
+        if self.adaptive is not None:   # the whole call: the forward and the engine's own work on the step
+            adaptive.observe(self.adaptive, flight.steady_batch, results, flight.k_next,
+                             time.perf_counter() - started)
         return outputs
 
     def _launch(self) -> Flight | None:

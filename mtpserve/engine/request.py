@@ -2,14 +2,10 @@
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from mtpserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from mtpserve.spec_decode.mtp_owed import OwedKV
 
 
 class RequestStatus(enum.Enum):
@@ -39,7 +35,7 @@ class Request:
     parent_id: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0                     # tokens whose main KV is valid (MTP KV too, but mtp_owed)
+    num_computed_tokens: int = 0                     # tokens whose main and MTP KV is valid
     block_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None          # [k, V] when drafts were sampled
@@ -56,7 +52,6 @@ class Request:
     last_hidden: torch.Tensor | None = None          # prefill side: hidden state at the last prompt position
     placeholder_drafts: bool = False                 # decode side: drafts that only pad the step's shape
     mtp_prefix_hidden: torch.Tensor | None = None    # decode side: the MTP input hidden for the position before
-    mtp_owed: "OwedKV | None" = None                 # MTP KV decode steps left unwritten (spec_decode/mtp_owed.py)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -109,7 +109,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.draft_token_ids, req.draft_probs = [], None
-        req.placeholder_drafts, req.mtp_prefix_hidden, req.mtp_owed = False, None, None   # (recomputed from scratch)
+        req.placeholder_drafts, req.mtp_prefix_hidden = False, None   # (recomputed from scratch)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -117,7 +117,6 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
-        req.mtp_owed = None
         if req.hold_kv and reason not in ("abort", "error"):
             self.held[req.request_id] = req
         else:

@@ -54,11 +54,10 @@ class ModelRunner:
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device) if spec is not None else None
         # graph mode builds the fused step (spec_decode/fused.py) in one process, for each k a step can verify
-        # and draft (adaptive k: steps that keep the k of the step before)
+        # and draft (adaptive k: steps that keep the k of the step before; a step changing k runs the graphs apart)
         self.builds_fused_step = (self.graphs is not None and dp is None and self.proposer is not None
                                   and self.proposer.fuses_with_verification and spec.fused_graph_step
                                   and spec.synthetic_acceptance is None and spec.scorer == "mqa")
-        self.pads_switch_ups = self.builds_fused_step   # adaptive k switching up: fused too (fused.pad_switch_up)
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
@@ -104,12 +103,11 @@ class ModelRunner:
                                              self.generator, self.device)
         outs, probs = self.graphs.run_fused(what, rows, sampling)
         results = []
-        for i, (s, out) in enumerate(zip(scheduled, outs)):
+        for i, out in enumerate(outs):
             accepted = out[1 + k]
-            wanted = k if s.num_next_drafts is None else s.num_next_drafts   # (adaptive k switching down: fewer)
             results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted,
-                                      next_drafts=out[k + 2:k + 2 + wanted] or None,
-                                      next_draft_probs=None if probs is None or not wanted else probs[i][:wanted]))
+                                      next_drafts=out[k + 2:] or None,
+                                      next_draft_probs=None if probs is None or not k else probs[i]))
         return results
 
     def _forward_in_step(self, what, rows, prev_hidden, output_index):
@@ -153,13 +151,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (engine/scheduler.py)
-        scheduled, switched_up_from = fused.pad_switch_up(self, scheduled)
-        if switched_up_from is not None:
-            self.pass_counts["switch_up_padded"] += 1
-            return fused.count_real_drafts(self._execute(scheduled), switched_up_from)
-        return self._execute(scheduled)
-
-    def _execute(self, scheduled: list) -> list[StepResult]:
         if self.dp is not None:
             self._planned_passes, self._passes_run = self._mtp_passes(scheduled), 0
             if not scheduled:   # nothing here: the same forwards as the others, on padding

@@ -47,7 +47,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def build_engine(args):
     from mtpserve.engine.engine import LLMEngine
-    return LLMEngine.from_kwargs(**engine_kwargs(args))
+    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+    engine.calibrate()
+    return engine
 
 
 def prefill_server_speculation(speculative_config: dict | None, kv_role: str) -> dict | None:

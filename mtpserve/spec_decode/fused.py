@@ -22,8 +22,6 @@ accepted+1.. of the same range, which this step's emitted tokens never read) and
 acceptance and drafts are those of the unfused path: the same computations in the same order, only without the
 trips through Python in between (a seeded request gets the same tokens; an unseeded one the same distribution).
 """
-from dataclasses import replace
-
 import torch
 
 from mtpserve.model.attention import AttentionMetadata
@@ -166,15 +164,14 @@ def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> l
 
 def fused_graph(runner, scheduled) -> str | None:
     """The fused graph this step can run as (built when runner.builds_fused_step): "fused" when every request
-    is greedy, "fused_sampled" when some sample; None when some request is not decoding (one pending token plus
-    k drafts, at most k wanted next: adaptive k keeps the k of the step before, or switches down, and then the
-    step drafts k and each request keeps what it wants, MTPProposer.next_k; k = 0, plain decoding, has a graph
-    of its own under adaptive k) or is handed over or held for a hand-off."""
+    is greedy, "fused_sampled" when some sample; None when some request is not decoding k drafts into k drafts
+    (one pending token plus k drafts verified, k drafted next; adaptive k = 0 has a graph of its own; a step
+    changing k runs the graphs apart) or is handed over or held for a hand-off."""
     if not scheduled or not runner.builds_fused_step:
         return None
     k = len(scheduled[0].draft_token_ids)
     wanted = runner.spec.num_speculative_tokens
-    if not all(_decodes(s, k) and (wanted if s.num_next_drafts is None else s.num_next_drafts) <= k
+    if not all(_decodes(s, k) and (wanted if s.num_next_drafts is None else s.num_next_drafts) == k
                for s in scheduled):
         return None
     what = "fused" if all(s.req.params.greedy for s in scheduled) else "fused_sampled"
@@ -186,40 +183,3 @@ def _decodes(s, k: int) -> bool:
     over nor held for a hand-off."""
     return (s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and not s.req.placeholder_drafts
             and not s.req.hold_kv and s.req.mtp_prefix_hidden is None)
-
-
-def pad_switch_up(runner, scheduled) -> tuple[list, int | None]:
-    """Adaptive k switching up (every request verifies k drafts and wants k' > k next): the drafts padded to k'
-    with guesses (the last draft, or the pending token, repeated), so that the step runs as the fused graph of k'
-    instead of the separate graphs (at batch 1, 4.9 ms against 7.9 for k = 2). A guess is a draft drawn from a
-    one-hot distribution: verifying it is lossless (greedy: accepted only where it is the argmax; sampling with
-    argmax drafts: the same one-hot verification as any argmax draft), and one accepted is one more token.
-    Returns the step's requests (copies, padded) and k, or them unchanged and None when the step is not such a
-    switch, some request samples drafts from a distribution (a guess has none to verify against), or some
-    request's KV blocks lack the slots the fused step writes (1 + 2k' from its first position: the scheduler
-    reserved them for k drafts, before k' was chosen), or no fused graph fits the padded step."""
-    if not scheduled or not runner.pads_switch_ups:
-        return scheduled, None
-    k, wanted = len(scheduled[0].draft_token_ids), scheduled[0].num_next_drafts
-    if wanted is None or wanted <= k or not all(
-            _decodes(s, k) and s.num_next_drafts == wanted
-            and len(s.req.block_ids) * runner.block_size >= s.start + 1 + 2 * wanted for s in scheduled):
-        return scheduled, None
-    if runner.spec.draft_sampling == "probabilistic" and not all(s.req.params.greedy for s in scheduled):
-        return scheduled, None
-    padded = []
-    for s in scheduled:
-        guess = (s.draft_token_ids or s.req.all_token_ids[s.start:s.start + 1])[-1]
-        padded.append(replace(s, draft_token_ids=s.draft_token_ids + [guess] * (wanted - k)))
-    if runner.builds_fused_step and fused_graph(runner, padded) is None:   # (no graph of this batch's shape)
-        return scheduled, None
-    return padded, k
-
-
-def count_real_drafts(results, k: int) -> list:
-    """A padded switch-up step's results, counting only the k real drafts (acceptance statistics, the adaptive
-    policy's estimates); tokens past them that a guess gave stay emitted."""
-    for r in results:
-        if not isinstance(r, Exception) and r.num_drafts:
-            r.num_drafts, r.num_accepted = k, min(r.num_accepted, k)
-    return results

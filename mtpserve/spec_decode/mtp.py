@@ -10,16 +10,14 @@ positions as pass 0, fed the previous depth's outputs there and the tokens shift
 draft j), which also fills its own cache where it belongs (every step runs it, so its cache stays whole;
 graph mode too, where the fused step chains it in its graph, spec_decode/fused.py). A decode step that drafts
 fewer depths than the checkpoint has own layers (adaptive k) runs the chain only as deep as it drafts; the
-deeper own layers write their KV fed the main model's hidden states (MTPProposer._exact_depth); an eager one
-leaves them owed, and drafting nothing, runs no MTP pass at all: it keeps the main hidden states of the
-positions it verified, and the next step that runs a layer skipped starts its rows that much earlier
-(spec_decode/mtp_owed.py). Slots written past the accepted length are never read before being overwritten.
+deeper own layers write their KV fed the main model's hidden states (MTPProposer._exact_depth). One drafting
+none (adaptive k = 0) still runs layer 0 over its positions, KV only, so the caches are whole when drafting
+resumes. Slots written past the accepted length are never read before being overwritten.
 """
 import torch
 
 from mtpserve.runner.batch import Row
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
-from mtpserve.spec_decode.mtp_owed import MAX_OWED, LayerRows, after_step, owed_kv
 
 
 def decode_exact_depth(k: int, chain_depth: int) -> int:
@@ -37,9 +35,6 @@ class MTPProposer:
         static_shapes: graph mode, whose first pass always covers 1+k tokens per request."""
         self.model, self.spec, self.forward, self.generator, self.device = model, spec, forward, generator, device
         self.static_shapes = static_shapes
-        # graph mode: a decode step drafting fewer tokens than it verifies drafts as many as it verifies, and
-        # each request keeps the ones it asked for (next_k)
-        self.switch_down_keeps_depth = static_shapes
 
     @classmethod
     def check(cls, model_config, spec) -> None:
@@ -66,78 +61,65 @@ class MTPProposer:
         return first + ([("mtp0", 1)] if shared_depths else [])
 
     def next_k(self, scheduled) -> int:
-        """Drafts this step proposes: the most any sampling request asks for (adaptive speculation). With
-        switch_down_keeps_depth, a decode step drafts at least as many as it verifies, and each request keeps
-        the drafts it asked for: in graph mode such a step (adaptive k switching down) runs as the fused graph of
-        the k it verifies (spec_decode/fused.py), two thirds of the unfused step's time at batch 1, and the
-        unfused path drafts as it does, so that both leave the same drafts and MTP KV."""
-        wanted = [self.spec.num_speculative_tokens if s.num_next_drafts is None else s.num_next_drafts
-                  for s in scheduled if s.samples]
-        k = max(wanted, default=0)
-        if self.switch_down_keeps_depth and wanted and all(s.samples and s.num_new_tokens == 1 for s in scheduled):
-            k = max(k, max(len(s.draft_token_ids) for s in scheduled))
-        return k
+        """Drafts this step proposes: the most any sampling request asks for (adaptive speculation)."""
+        return max((self.spec.num_speculative_tokens if s.num_next_drafts is None else s.num_next_drafts
+                    for s in scheduled if s.samples), default=0)
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
-        k, chain_depth, owed = self.next_k(scheduled), self._chain_depth(), self._owed(scheduled)
-        written = self._written_depth(scheduled, k, owed)
-        if written:
-            self._run_passes(scheduled, hidden, offsets, results, k, written, owed)
-        for i, s in enumerate(scheduled):   # (only now: a step that raised is run again, engine._execute_isolating)
+        self._run_passes(scheduled, hidden, offsets, results, self.next_k(scheduled))
+        for s in scheduled:   # (only now: a step that raised is run again, engine._execute_isolating)
             if s.samples:
-                valid = s.num_new_tokens + len(results[i].new_token_ids) - 1
-                s.req.mtp_owed = after_step(owed[i], s.start, written, chain_depth,
-                                            hidden[offsets[i]:offsets[i] + valid])
                 s.req.mtp_prefix_hidden = None
 
-    def _run_passes(self, scheduled, hidden, offsets, results, k: int, written: int, owed: list) -> None:
+    def _run_passes(self, scheduled, hidden, offsets, results, k: int) -> None:
         verified = len(scheduled[0].draft_token_ids) if scheduled else 0
         static = self.static_shapes and all(
             s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == verified for s in scheduled)
         handed_over = any(s.samples and s.req.mtp_prefix_hidden is not None for s in scheduled)
-        # Each own layer's rows start where its KV is owed (mtp_owed.py): positions before this step's, fed the
-        # main hidden states kept for them (appended after this step's in `source`), then this step's.
-        source, layers, drafting = [hidden], [LayerRows() for _ in range(written)], []
+        # One row per request, the same for every own layer: its positions whose next token is now known, from
+        # the step's first (a hand-over, disagg scheme 2: from the prompt's last, fed the hidden state it came
+        # with, appended after this step's in `source`). sources: the main hidden state fed at each row token;
+        # last: where each request's accepted position lands in the flat layout.
+        # Request "a" at 5, pending t5, drafts [d6, d7], d6 accepted, e7 emitted: row tokens [d6, e7] at 5, 6.
+        source, rows, sources, last, drafting = [hidden], [], [], [], []
         num_source = len(hidden)
         for i, s in enumerate(scheduled):
             accepted = len(results[i].new_token_ids) - 1 if s.samples else 0
             own = s.num_new_tokens + accepted   # positions s.start.. whose next token is now known
             tokens = s.req.all_token_ids + results[i].new_token_ids
-            first = s.start if owed[i] is None else owed[i].row_start(written - 1, s.start)
+            prefix = s.req.mtp_prefix_hidden if s.samples else None
+            first = s.start - (prefix is not None)
             row_tokens = tokens[first + 1:s.start + own + 1]
             if static:   # the seed's static shapes: 1+k tokens (their KV written), the layer run at the accepted index
                 row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - own - (s.start - first))
-            sources = list(range(offsets[i], offsets[i] + len(row_tokens) - (s.start - first)))
-            if first < s.start:
-                source.append(owed[i].hidden_from(first).to(hidden.dtype))
-                sources = list(range(num_source, num_source + s.start - first)) + sources
-                num_source += s.start - first
-            for j, layer in enumerate(layers):
-                at = s.start if owed[i] is None else owed[i].row_start(j, s.start)
-                layer.add(Row(row_tokens[at - first:], at, s.req.block_ids), sources[at - first:],
-                          s.start + own - 1 - at)
+            row_sources = list(range(offsets[i], offsets[i] + len(row_tokens) - (s.start - first)))
+            if prefix is not None:
+                source.append(prefix.unsqueeze(0).to(hidden.dtype))
+                row_sources = [num_source] + row_sources
+                num_source += 1
+            last.append(len(sources) + s.start + own - 1 - first)
+            rows.append(Row(row_tokens, first, s.req.block_ids))
+            sources.extend(row_sources)
             if s.samples and k:   # (k = 0: the pass only fills the MTP cache, for when drafting resumes)
                 drafting.append(i)
         # A checkpoint with its own layer for depth j+1 runs it as trained: over the same positions as depth 1,
         # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
         # Its cache must be whole wherever a later step attends: every step writes each own layer of the chain
         # (prompt chunks and steps that draft fewer depths too: those write its KV only, fed the main hidden
-        # states, unless a deeper own layer needs its outputs; an eager decode step leaves the layers its drafts
-        # do not read owed, _written_depth). In graph mode only the fused step has the chain in a graph: other
-        # steps run chained passes eagerly.
+        # states, unless a deeper own layer needs its outputs). In graph mode only the fused step has the chain
+        # in a graph: other steps run chained passes eagerly.
         chain_depth = self._chain_depth()
         chain = chain_depth > 1
         exact_depth = self._exact_depth(scheduled, k, handed_over)
         source = torch.cat(source) if len(source) > 1 else hidden
-        first_layer = layers[0]
-        first_outputs = None if exact_depth > 1 else first_layer.last if drafting or self.static_shapes else []
-        out = self.forward("mtp0", first_layer.rows, source[first_layer.sources], output_index=first_outputs)
+        first_outputs = None if exact_depth > 1 else last if drafting or self.static_shapes else []
+        out = self.forward("mtp0", rows, source[sources], output_index=first_outputs)
         if not drafting and not chain:   # the pass just filled the MTP cache
             return
         reqs = [scheduled[i].req for i in drafting]
         draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
-        prev_hidden = out[[first_layer.last[i] for i in drafting]] if exact_depth > 1 else out[drafting]
+        prev_hidden = out[[last[i] for i in drafting]] if exact_depth > 1 else out[drafting]
         drafts, draft_probs, depth_hidden = [], [], [prev_hidden]
         if drafting:
             token, probs = self._draft(0, prev_hidden, reqs, draft_positions)
@@ -154,22 +136,18 @@ class MTPProposer:
                 if j <= k:
                     for i, d in zip(drafting, drafts[j - 1].tolist()):
                         known[i] = known[i] + [d]
-                if j >= written:   # neither drafted nor read at this depth this step: owed (mtp_owed.py)
-                    continue
-                rows_j = layers[j]
                 step_rows = [self._chain_row(t, r, j, scheduled[i].samples)
-                             for i, (t, r) in enumerate(zip(known, rows_j.rows))]
+                             for i, (t, r) in enumerate(zip(known, rows))]
                 if j >= exact_depth:   # its KV only, fed the main hidden states
-                    self.forward(f"mtp{layer}", step_rows, source[rows_j.sources], output_index=[])
+                    self.forward(f"mtp{layer}", step_rows, source[sources], output_index=[])
                     continue
-                inputs = rows_j.inputs(layers[j - 1], chain_hidden, source)
                 if j + 1 < exact_depth:   # a deeper own layer reads every output of this one
-                    chain_hidden = self.forward(f"mtp{layer}", step_rows, inputs)
-                    prev_hidden = chain_hidden[[rows_j.last[i] for i in drafting]]
+                    chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
+                    prev_hidden = chain_hidden[[last[i] for i in drafting]]
                 elif j < k:   # the last own layer: its KV everywhere, its outputs only where a draft is read
-                    prev_hidden = self.forward(f"mtp{layer}", step_rows, inputs, output_index=rows_j.last)[drafting]
+                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=last)[drafting]
                 else:   # not drafted at this depth this step: its KV only
-                    self.forward(f"mtp{layer}", step_rows, inputs, output_index=[])
+                    self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=[])
             else:   # a shared layer: one token at the next position, fed the previous pass's last output
                 # (the first depth past a checkpoint's own layers also covers the positions those depths drafted
                 # at, which layer 0's cache holds nothing for yet: as if layer 0 had drafted every depth)
@@ -197,37 +175,16 @@ class MTPProposer:
             if draft_probs[0] is not None and wanted:
                 results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
 
-    def _owed(self, scheduled) -> list:
-        """Per request, the MTP KV it owes before this step (mtp_owed.owed_kv), or None."""
-        chain_depth = self._chain_depth()
-        return [owed_kv(s.req, s.start, chain_depth) if s.samples else None for s in scheduled]
-
-    def _written_depth(self, scheduled, k: int, owed: list) -> int:
-        """The own MTP layers this step writes (the first ones: a layer written means the ones before it are).
-        All of them, but for an eager step where every request decodes and still has room to owe
-        (mtp_owed.MAX_OWED): that one writes only the layers its drafts read (none when it drafts none), and the
-        next step that runs a skipped layer writes the positions it owes first (mtp_owed.py): an adaptive
-        engine drafting none then costs what one without speculation does, one drafting fewer depths than the
-        checkpoint has own layers what a fixed k of that many does. (Graph mode keeps its static shapes: a
-        fused graph of its own runs k = 0.)"""
-        chain_depth = self._chain_depth()
-        decoding = (not self.static_shapes and bool(scheduled) and all(
-            s.samples and s.num_new_tokens == 1 and s.req.mtp_prefix_hidden is None
-            and (o.count if o else 0) + 1 + len(s.draft_token_ids) <= MAX_OWED for s, o in zip(scheduled, owed)))
-        return decode_exact_depth(k, chain_depth) if decoding and k else 0 if decoding else chain_depth
-
     def _exact_depth(self, scheduled, k: int, handed_over: bool) -> int:
         """The own layers this step runs as trained (chained, each fed the outputs of the one before); the deeper
         own layers only write their KV, fed the main model's hidden states instead of the previous layer's
-        outputs. A decode step runs as many as it drafts: an adaptive engine that drafts one token keeps
-        layer 0 at the accepted index (its MoE for one token per request, as fixed k = 1 does) and does not pay
-        for the whole chain. The KV written so is not what the chain would write, and a later step drafting
-        more depths reads it: its drafts differ (deterministically), its verification stays lossless. Steps with
-        prompt chunks (or a handed-over hidden state) run every own layer as trained: a prompt's KV is read
-        by every later step."""
-        chain_depth = self._chain_depth()
+        outputs. A decode step runs as many as it drafts (decode_exact_depth; the fused graphs use the same rule):
+        an adaptive engine drafting one token runs layer 0 at the accepted index only (as fixed k = 1 does). The
+        KV written so is not what the chain would write, and a later step drafting more depths reads it: its
+        drafts differ (deterministically), its verification stays lossless. Steps with prompt chunks (or a
+        handed-over hidden state) run every own layer as trained: a prompt's KV is read by every later step."""
         prompt = handed_over or any(not s.samples or s.num_new_tokens > 1 for s in scheduled)
-        return chain_depth if prompt else decode_exact_depth(k, chain_depth)
+        return self._chain_depth() if prompt else decode_exact_depth(k, self._chain_depth())
 
     def _chain_depth(self) -> int:
         """The depths run with the checkpoint's own layers, chained as trained: min(k, MTP layers), k the most
@@ -248,11 +205,8 @@ class MTPProposer:
 
     def num_passes(self, scheduled) -> int:
         """The MTP passes propose() runs for this step: k when a request drafts, and at least the chained own
-        layers (every step writes them, to keep their caches whole), but those it leaves owed (_written_depth);
-        the first pass alone otherwise."""
-        k, chain_depth = self.next_k(scheduled), self._chain_depth()
-        written = self._written_depth(scheduled, k, self._owed(scheduled))
-        return max(k, chain_depth) - (chain_depth - written) if written else 0
+        layers (every step writes them, to keep their caches whole)."""
+        return max(self.next_k(scheduled), self._chain_depth())
 
     def min_last_chunk(self) -> int:
         """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
