@@ -151,7 +151,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None     # ngram: the shortest (1 when not given)
     adaptive: bool | None = None             # mtp: k in [0, num_speculative_tokens] chosen each step (spec_decode/
                                              # adaptive.py); the default for mtp, false: always k drafts
-    fused_graph_step: bool = True            # graph mode, mtp: verify + accept + draft in one graph (spec_decode/fused.py)
+    fused_graph_step: bool = True            # mtp: a decode step verifies, accepts, drafts in one function
+                                             # (spec_decode/fused.py; compiled in graph mode)
 
     @property
     def verified_draft_counts(self) -> list[int]:

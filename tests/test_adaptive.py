@@ -76,8 +76,9 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
 def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeypatch):
     """Adaptive up to 2 over 3 MTP layers (layer 1 chained): a decode step drafting one token runs layer 0 at
     the accepted index only and writes layer 1's KV only; drafting two, layer 0's outputs everywhere feed layer 1;
-    drafting none, both layers write their KV only. Greedy tokens stay those of no speculation."""
-    llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
+    drafting none, both layers write their KV only. Greedy tokens stay those of no speculation. (The separate
+    path: fused_graph_step false; the fused decode step follows the same rule, test_graph_mode_fused_steps_...)"""
+    llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True, "fused_graph_step": False})
     monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=2))
     runner = llm.engine.runner
     steps, forward, execute = [], runner.proposer.forward, runner.execute

@@ -22,8 +22,10 @@ from mtpserve.runner.batch import Row
 
 class GraphRunner:
     def __init__(self, model, main_caches, mtp_caches, batch_sizes: list[int], block_size: int,
-                 max_span: int, device, spec=None):
-        """spec: the speculative config (how the sampled fused step drafts and verifies)."""
+                 max_span: int, device, spec=None, compiled: bool = True):
+        """spec: the speculative config (how the sampled fused step drafts and verifies). compiled: false runs
+        the same step functions eagerly (eager mode's decode steps, spec_decode/fused.py): no padding, no
+        warm-up, built on first use."""
         self.model, self.main_caches, self.mtp_caches = model, main_caches, mtp_caches
         self.spec = spec
         self.batch_sizes = sorted(batch_sizes)
@@ -31,13 +33,16 @@ class GraphRunner:
         self.max_blocks = -(-max_span // block_size)
         self.graphs: dict[tuple, tuple] = {}    # (what, batch, query_len) -> (compiled fn, static buffers)
         self.compile_seconds = 0.0
-        self.cuda_graphs = torch.device(device).type == "cuda"
+        self.compiled = compiled
+        self.cuda_graphs = compiled and torch.device(device).type == "cuda"
         mode = "reduce-overhead" if self.cuda_graphs else None
-        self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True,
+        self._compile = (lambda fn: fn) if not compiled else lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True,
                                                  options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
                                                           "size_asserts": False})
 
     def padded_size(self, num_rows: int) -> int | None:
+        if not self.compiled:
+            return num_rows
         return next((b for b in self.batch_sizes if b >= num_rows), None)
 
     @staticmethod
@@ -75,7 +80,7 @@ class GraphRunner:
     def fits_fused(self, what: str, scheduled, k: int) -> bool:
         """A fused step (spec_decode/fused.py: what is "fused" or "fused_sampled") was built for this batch
         size, and the table covers the drafts' positions (up to 2k past the pending token)."""
-        return ((what, self.padded_size(len(scheduled)), 1 + k) in self.graphs
+        return (((what, self.padded_size(len(scheduled)), 1 + k) in self.graphs or not self.compiled)
                 and all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled))
 
     def run_fused(self, what: str, rows: list[Row], sampling: list[torch.Tensor] | None = None):
@@ -88,16 +93,17 @@ class GraphRunner:
         inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + 2 * q - 1))
         if sampling is None:
             return fn(*inputs)[:n].tolist(), None
-        for target, value in zip(buf[5:], sampling):   # (padding rows keep what they held: their outputs are dropped)
-            target[:n].copy_(value)
-        ids, probs = fn(*inputs, *buf[5:])
+        if self.compiled:
+            for target, value in zip(buf[5:], sampling):   # (padding rows keep what they held: outputs dropped)
+                target[:n].copy_(value)
+            sampling = buf[5:]
+        ids, probs = fn(*inputs, *sampling)
         return ids[:n].tolist(), None if probs is None else probs[:n].clone()
 
     def _load(self, buf, rows: list[Row], q: int, bucket: int) -> list:
         """Copies the rows into the static buffers; returns the graph's first five inputs."""
         # Index arithmetic in Python lists, one copy per buffer: per-op costs dominate a small decode step.
         # Padding rows have KV length 0 and slot -1 (their writes land in the null block).
-        batch = buf[2].shape[0]
         ids, positions, slots, seq_lens, tables = [], [], [], [], []
         for r in rows:
             ids += r.token_ids
@@ -106,7 +112,11 @@ class GraphRunner:
             seq_lens.append(r.start + q)
             blocks = r.block_ids[:bucket]
             tables += blocks + [0] * (bucket - len(blocks))
+        if not self.compiled:   # fresh tensors (the rotary tables are looked up once per positions tensor)
+            return [torch.tensor(v, dtype=torch.long, device=self.device) for v in (ids, positions, seq_lens, slots)] + [
+                torch.tensor(tables, dtype=torch.long, device=self.device).view(len(rows), bucket)]
         ids_b, pos_b, seq_b, slot_b, table_b = buf[:5]
+        batch = seq_b.shape[0]
         for target, values, fill in ((ids_b, ids, 0), (pos_b, positions, 0), (slot_b, slots, -1),
                                      (seq_b, seq_lens, 0)):
             target.copy_(torch.tensor(values + [fill] * (len(target) - len(values))))
@@ -142,7 +152,15 @@ class GraphRunner:
             self.graphs[key] = self._build(what, batch, q)
         return self.graphs[key]
 
+    def _fused_step(self, what: str, batch: int, q: int):
+        from mtpserve.spec_decode.fused import fused_step
+        return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, batch, q, q - 1,
+                          what == "fused_sampled", self.spec.draft_sampling, self.spec.verification,
+                          len(self.mtp_caches))
+
     def _build(self, what, batch, q):
+        if not self.compiled:   # (eager: the fused step as it is, fed fresh tensors, _load)
+            return self._fused_step(what, batch, q), None
         dev, cfg = self.device, self.model.config
         buf = [torch.zeros(batch * q, dtype=torch.long, device=dev), torch.zeros(batch * q, dtype=torch.long, device=dev),
                torch.zeros(batch, dtype=torch.long, device=dev), torch.full((batch * q,), -1, dtype=torch.long, device=dev),
@@ -162,11 +180,8 @@ class GraphRunner:
             return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
 
         if what in ("fused", "fused_sampled"):
-            from mtpserve.spec_decode.fused import fused_step
-            sampled = what == "fused_sampled"
-            step = fused_step(model, main_caches, mtp_caches, self.block_size, batch, q, q - 1, sampled,
-                              self.spec.draft_sampling, self.spec.verification, len(mtp_caches))
-            buf = buf[:5] + (self._sampling_buffers(batch, q - 1) if sampled else [])
+            step = self._fused_step(what, batch, q)
+            buf = buf[:5] + (self._sampling_buffers(batch, q - 1) if what == "fused_sampled" else [])
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.
         code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")

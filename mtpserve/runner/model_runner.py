@@ -53,11 +53,15 @@ class ModelRunner:
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device) if spec is not None else None
-        # graph mode builds the fused step (spec_decode/fused.py) in one process, for each k a step can verify
-        # and draft (adaptive k: steps that keep the k of the step before; a step changing k runs the graphs apart)
-        self.builds_fused_step = (self.graphs is not None and dp is None and self.proposer is not None
-                                  and self.proposer.fuses_with_verification and spec.fused_graph_step
-                                  and spec.synthetic_acceptance is None and spec.scorer == "mqa")
+        # MTP decode steps (k drafts verified, k drafted) run as one function (spec_decode/fused.py), in one
+        # process: compiled in graph mode, for each k a step can verify and draft; eagerly otherwise
+        fuses = (dp is None and self.proposer is not None and self.proposer.fuses_with_verification
+                 and spec.fused_graph_step and spec.synthetic_acceptance is None and spec.scorer == "mqa")
+        self.builds_fused_step = fuses and self.graphs is not None
+        self.fused_steps = self.graphs if self.builds_fused_step else None
+        if fuses and self.graphs is None:
+            self.fused_steps = GraphRunner(model, self.main_caches, self.mtp_caches, [], block_size, max_span, device,
+                                           spec, compiled=False)
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
@@ -101,7 +105,7 @@ class ModelRunner:
         if what == "fused_sampled":
             sampling = fused.sampling_inputs(self.spec, [s.req for s in scheduled], k, self.model.config.vocab_size,
                                              self.generator, self.device)
-        outs, probs = self.graphs.run_fused(what, rows, sampling)
+        outs, probs = self.fused_steps.run_fused(what, rows, sampling)
         results = []
         for i, out in enumerate(outs):
             accepted = out[1 + k]
