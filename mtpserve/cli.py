@@ -27,8 +27,11 @@ def run_generate(args) -> None:
     for out in outputs:
         print(f"--- prompt: {out.prompt!r}\n{out.prompt}{out.outputs[0].text}\n")
     print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tok/s)")
+    m = llm.get_metrics()
+    if args.enable_prefix_caching:
+        print(f"prefix cache: {m['prefix_cache_hits']} of {m['prefix_cache_queries']} prompt tokens hit "
+              f"({m['prefix_cache_hit_rate']:.1%})")
     if args.speculative_config:
-        m = llm.get_metrics()
         per_pos = ", ".join(f"{a / max(d, 1):.2f}"
                             for a, d in zip(m["accepted_per_position"], m["drafted_per_position"]))
         print(f"speculation: acceptance rate {m['acceptance_rate']:.3f}, "

@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_graph_args(p)
     add_parallel_args(p)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompts' shared prefixes, main and MTP layers (default: on)")
     p.add_argument("--overlap", action="store_true",
                    help="run each step on a model thread while the engine finishes the step before (one process)")
     p.add_argument("--cpu-threads", type=int, default=None,
@@ -97,7 +99,7 @@ def engine_kwargs(args) -> dict:
     kwargs = dict(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                   dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
-                  overlap=args.overlap, cpu_threads=args.cpu_threads,
+                  overlap=args.overlap, cpu_threads=args.cpu_threads, enable_prefix_caching=args.enable_prefix_caching,
                   **graph_kwargs(args), **parallel_kwargs(args))
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens

@@ -24,6 +24,9 @@ class LLM:
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     def generate(self, prompts: str | list[str] | None = None, sampling_params=None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs all prompts to completion; outputs come back in the order of the prompts. If anything fails

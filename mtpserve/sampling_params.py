@@ -23,6 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None         # prefix-cache blocks are shared only between requests of one salt
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,3 +55,5 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt", "must be a non-empty string")

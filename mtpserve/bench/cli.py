@@ -19,6 +19,8 @@ def _common(p: argparse.ArgumentParser, input_len: int = 32, output_len: int = 6
     p.add_argument("--output-json", default=None)
     p.add_argument("--scratch-dir", default="runs/bench")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engines' prefix cache (default: on, as the engine; repeated iterations then hit it)")
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +115,9 @@ def run_bench(args) -> dict | None:
     if getattr(args, "threads", None):
         import torch
         torch.set_num_threads(args.threads)
+    if hasattr(args, "enable_prefix_caching"):
+        from mtpserve.bench import latency
+        latency.ENGINE_DEFAULTS["enable_prefix_caching"] = args.enable_prefix_caching
     record = common.run_record(args.bench_command, args)
     if args.bench_command == "serve":
         record["results"] = _serve(args, record)

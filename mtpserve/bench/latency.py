@@ -31,6 +31,9 @@ def config_name(k: int, scorer: str, mode: str | None = None, draft_vocab: int =
     return name if mode is None else f"{name}_{mode}"
 
 
+ENGINE_DEFAULTS: dict = {}   # engine keyword arguments every bench engine takes (the bench flags set them)
+
+
 def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, enforce_eager: bool, dtype: str,
                  block_size: int = 16, graph_batch_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
                  overlap: bool = False):
@@ -42,7 +45,8 @@ def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, en
     engine = LLMEngine.from_kwargs(model=model, speculative_config=spec, max_num_seqs=max_batch,
                                    max_num_batched_tokens=max(2048, max_batch * max_len), max_model_len=max_len + k + 8,
                                    num_kv_blocks=blocks, block_size=block_size, enforce_eager=enforce_eager, dtype=dtype,
-                                   tensor_parallel_size=tensor_parallel_size, overlap=overlap, **graphs)
+                                   tensor_parallel_size=tensor_parallel_size, overlap=overlap, **graphs,
+                                   **ENGINE_DEFAULTS)
     engine.calibrate()
     return engine
 

@@ -29,9 +29,13 @@ class DataParallelScheduler:
         return [len(core.waiting) + len(core.running) for core in self.cores]
 
     def add(self, req: Request, rank: int | None = None) -> None:
+        """Placed on the rank whose prefix cache holds the longest run of its blocks, among the ranks with room
+        for it (fewer requests than max_num_seqs), the least loaded of those; else the least loaded."""
         if rank is None:
             loads = self.loads()
-            rank = loads.index(min(loads))
+            hits = [len(core.block_manager.cached_run(req)) if load < core.max_num_seqs else -1
+                    for core, load in zip(self.cores, loads)]
+            rank = max(range(len(self.cores)), key=lambda i: (hits[i], -loads[i]))
         req.dp_rank = rank
         self.cores[rank].add(req)
 
@@ -40,6 +44,9 @@ class DataParallelScheduler:
 
     def schedule(self) -> list[ScheduledRequest]:
         return [s for core in self.cores for s in core.schedule()]
+
+    def computed(self, req: Request) -> None:
+        self.cores[req.dp_rank].computed(req)
 
     def finish(self, req: Request, reason: str) -> None:
         self.cores[req.dp_rank].finish(req, reason)

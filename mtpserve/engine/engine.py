@@ -37,9 +37,11 @@ class LLMEngine:
         self.model = self.runner.model
         self.device, self.dtype = self.runner.device, setup.dtype
         min_last_chunk = self.runner.proposer.min_last_chunk() if self.runner.proposer else 1
-        self.cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size), cfg.max_num_seqs,
-                                cfg.max_num_batched_tokens, self.num_lookahead_slots, min_last_chunk)
-                      for _ in range(cfg.data_parallel_size)]   # one scheduler per data-parallel rank
+        # (a block's MTP KV depends on as many tokens after it as MTP layers are chained: kv_cache.py)
+        blocks = lambda: BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,  # noqa: E731
+                                      len(self.runner.mtp_caches))
+        self.cores = [Scheduler(blocks(), cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_lookahead_slots,
+                                min_last_chunk) for _ in range(cfg.data_parallel_size)]   # one per data-parallel rank
         self.scheduler = self.cores[0] if len(self.cores) == 1 else DataParallelScheduler(self.cores)
         self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)
         self.use_graphs = self.runner.graphs is not None
@@ -77,6 +79,12 @@ class LLMEngine:
             self.spec_metrics = SpecDecodeMetrics(self.spec_metrics.num_speculative_tokens)
         for core in self.cores:
             core.num_preemptions = 0
+            core.block_manager.num_queries = core.block_manager.num_hits = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (on every data-parallel rank)."""
+        for core in self.cores:
+            core.block_manager.reset()
 
     @property
     def max_num_seqs(self) -> int:
@@ -191,6 +199,8 @@ class LLMEngine:
                 req.num_computed_tokens += s.num_new_tokens
             else:
                 appended.append((req, self._commit(req, r, now)))
+            if not req.is_finished:
+                self.scheduler.computed(req)
             if req.parent_id not in progressed:
                 progressed.append(req.parent_id)
         return flight, results, progressed, appended
@@ -271,7 +281,8 @@ class LLMEngine:
                 for r in kids]
         error = next((r.error for r in kids if r.error), None)
         return RequestOutput(parent_id, kids[0].prompt, kids[0].prompt_token_ids, outs,
-                             all(r.is_finished for r in kids), kids[0].metrics, error)
+                             all(r.is_finished for r in kids), kids[0].metrics, error,
+                             num_cached_tokens=min(r.num_cached_tokens for r in kids))
 
     def _forget(self, parent_id: str) -> None:
         for req in self.children.pop(parent_id, []):
@@ -280,6 +291,10 @@ class LLMEngine:
     # ---- introspection --------------------------------------------------------------------------------
     def get_metrics(self) -> dict:
         metrics = self.spec_metrics.as_dict() if self.spec_metrics else SpecDecodeMetrics(0).as_dict()
+        queries = sum(c.block_manager.num_queries for c in self.cores)
+        hits = sum(c.block_manager.num_hits for c in self.cores)
+        metrics.update(prefix_cache_queries=queries, prefix_cache_hits=hits,
+                       prefix_cache_hit_rate=hits / queries if queries else 0.0)
         if self.adaptive is not None:   # steps that drafted k tokens, k = 0..num_speculative_tokens
             metrics["draft_steps_by_k"] = list(self.adaptive.choices)
         return metrics

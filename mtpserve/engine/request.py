@@ -37,6 +37,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0                     # tokens whose main and MTP KV is valid
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # prefix-cache hashes of its first full blocks
+    num_cached_tokens: int = 0                       # prompt tokens the prefix cache held when it was admitted
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None          # [k, V] when drafts were sampled
     text: str = ""
@@ -90,3 +92,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None   # set when the engine failed the request (its finish_reason is "error")
+    num_cached_tokens: int = 0   # prompt tokens found in the prefix cache

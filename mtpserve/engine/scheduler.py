@@ -58,6 +58,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
         scheduled = []
+        prefilling = {r.parent_id for r in self.running if self.block_manager.enable_caching
+                      and r.params.n > 1 and r.num_computed_tokens < len(r.prompt_token_ids)}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -76,16 +78,22 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            item = self._plan(req, budget)
-            if item is None:
+            if req.parent_id in prefilling:   # (n > 1, prefix caching: a sibling computes the prompt first)
                 break
-            if not self.block_manager.allocate(req, self._slots_needed(item)):
+            if req.num_computed_tokens == 0:
+                req.num_cached_tokens = self.block_manager.take_cached_prefix(req)
+            item = self._plan(req, budget)
+            if item is None or not self.block_manager.allocate(req, self._slots_needed(item)):
+                self.block_manager.free(req)   # (the cached blocks it took go back; it starts over next time)
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(item)
             budget -= item.num_query_tokens
+            if self.block_manager.enable_caching and req.params.n > 1:
+                prefilling.add(req.parent_id)
         return scheduled
 
     def _plan(self, req: Request, budget: int) -> ScheduledRequest | None:
@@ -113,6 +121,10 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def computed(self, req: Request) -> None:
+        """After a step advanced req: its newly computed full blocks go into the prefix cache."""
+        self.block_manager.cache_blocks(req)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED

@@ -156,7 +156,7 @@ class GraphRunner:
         from mtpserve.spec_decode.fused import fused_step
         return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, batch, q, q - 1,
                           what == "fused_sampled", self.spec.draft_sampling, self.spec.verification,
-                          len(self.mtp_caches))
+                          len(self.mtp_caches), static=self.compiled)
 
     def _build(self, what, batch, q):
         if not self.compiled:   # (eager: the fused step as it is, fed fresh tensors, _load)

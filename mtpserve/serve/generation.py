@@ -146,7 +146,7 @@ async def merge(streams):
 def _finished_usage(finals: dict) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in finals.values())
     completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-    return protocol.usage(prompt, completion)
+    return protocol.usage(prompt, completion, sum(o.num_cached_tokens for o in finals.values()))
 
 
 async def collect(streams, req: protocol.GenerationRequest, request_id: str, model: str, chat: bool) -> dict:

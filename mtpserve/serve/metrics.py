@@ -55,6 +55,10 @@ class EngineCollector:
                             "placeholder drafts (scheme 2).", stats.get("num_padded_handoff_steps"))
         yield self._counter("mtpserve:num_preemptions", "Requests preempted (KV blocks ran out).",
                             stats.get("num_preemptions"))
+        yield self._counter("mtpserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            spec.get("prefix_cache_queries"))
+        yield self._counter("mtpserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            spec.get("prefix_cache_hits"))
         yield self._counter("mtpserve:engine_step_errors", "Engine steps that raised as a whole (their requests "
                             "failed).", self.async_engine.num_step_errors)
         yield self._counter("mtpserve:spec_decode_num_drafts", "Speculative steps (drafts proposed).",

@@ -133,6 +133,11 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():   # (behind the API key, as every path but /health)
+        engine.call_soon(lambda e: e.reset_prefix_cache())
+        return Response(status_code=200)
+
     @app.get("/v1/models")
     async def models():
         data = [{"id": name, "object": "model", "created": created, "owned_by": "mtpserve",

@@ -112,6 +112,11 @@ def parse_sampling(body: dict, chat: bool) -> dict:
                            "characters each", param="stop")
         stop = [check_text("stop", s) for s in stop]
         out["stop"] = stop
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise APIError(f"'cache_salt' must be a non-empty string, got {salt!r}", param="cache_salt")
+        out["cache_salt"] = check_text("cache_salt", salt)
     best_of = body.get("best_of")
     if best_of is not None and best_of != out.get("n", 1):
         raise APIError("'best_of' is not supported (only best_of == n)", param="best_of")
@@ -203,9 +208,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_choice(index: int, text: str, finish_reason, token_ids=None) -> dict:

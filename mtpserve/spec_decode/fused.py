@@ -33,13 +33,14 @@ from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
 def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: int, k_next: int,
                sampled: bool = False, draft_sampling: str = "greedy", verification: str = "token",
-               chain_depth: int = 1):
+               chain_depth: int = 1, static: bool = True):
     """Greedy: step(input_ids, positions, seq_lens, slot_mapping, block_tables) -> ids [batch, q + 1 + k_next]:
     the target's argmax at the q positions, the accepted count, the next drafts. Sampled: the same five inputs,
     then sampling_inputs(), -> (ids: the emitted tokens (-1 past the accepted ones), the accepted count, the
     next drafts; the drafts' distributions [batch, k_next, V], or None for argmax drafts). Padding rows (KV
     length 0, slot -1, greedy) compute garbage that the caller drops, and write no KV. chain_depth: the depths
-    drafted by the checkpoint's own MTP layers, chained (spec_decode/mtp.py, MTPProposer._chain_depth)."""
+    drafted by the checkpoint's own MTP layers, chained (spec_decode/mtp.py, MTPProposer._chain_depth). static:
+    no host branch on values (compiled; eager mode runs it with host branches, sampling/sampler.py)."""
     device = mtp_caches[0].device
     query_start_loc = torch.arange(batch + 1, device=device) * q
     row_start = torch.arange(batch, device=device) * q
@@ -54,7 +55,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
         if not probabilistic:
             token = logits.argmax(-1)
             return (token if vocab is None else vocab[token]), None
-        probs = logits_to_probs(logits, *params, static=True)
+        probs = logits_to_probs(logits, *params, static=static)
         token = sample(probs, noise[:, :probs.shape[-1]])
         if vocab is None:
             return token, probs
@@ -82,7 +83,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
         else:
             params = (temperature, top_k, top_p)
             per_token = [t.repeat_interleave(q) for t in params]
-            target = logits_to_probs(logits, *per_token, static=True).view(batch, q, -1)
+            target = logits_to_probs(logits, *per_token, static=static).view(batch, q, -1)
             if probabilistic:
                 emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], verification,
                                                   coupled)
