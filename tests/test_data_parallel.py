@@ -76,6 +76,15 @@ def test_dp2_ep2_matches_one_process_with_requests_on_both_ranks(ckpt, kw):
     try:
         tokens_two, metrics_two = generate(two)   # placed by load: two requests on each rank
         counts = two.engine.executor.pass_counts()
+        if kw["speculative_config"] == K3:   # prefix cache per rank: the same tokens on a hit; a request goes to
+            assert generate(two)[0] == tokens_two   # the rank holding its prefix (rank 1 here, not the idler 0)
+            hits = sum(c.block_manager.num_hits for c in two.engine.cores)
+            assert hits > 0
+            long = list(range(3, 40))
+            assert run_on_ranks(two.engine, [long], [1]) == run_on_ranks(two.engine, [long], [1])
+            two.engine.add_request("placed", None, long + [5], GREEDY)
+            assert two.engine.requests["placed"].dp_rank == 1
+            two.engine.abort_request("placed")
     finally:
         two.engine.shutdown()
     assert tokens_two == tokens_one and all(len(t) == 40 for t in tokens_two)

@@ -60,13 +60,14 @@ def test_greedy_identical_and_drafts_from_the_draft_vocab(trained, k, size):
     llm = LLM(trained, speculative_config=spec, max_num_batched_tokens=16)
     allowed = set(top_tokens(json.load(open(os.path.join(trained, FREQUENCIES_FILE)))["counts"], size).tolist())
     drafted = []
-    propose = llm.engine.runner.proposer.propose
+    execute = llm.engine.runner.execute
 
-    def recording(scheduled, hidden, offsets, results):
-        propose(scheduled, hidden, offsets, results)
+    def recording(scheduled):   # (every step's drafts: the fused decode steps' and the separate path's)
+        results = execute(scheduled)
         drafted.extend(t for r in results if r.next_drafts for t in r.next_drafts)
+        return results
 
-    llm.engine.runner.proposer.propose = recording
+    llm.engine.runner.execute = recording
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
     assert drafted and set(drafted) <= allowed
@@ -89,13 +90,14 @@ def test_greedy_requests_unchanged_next_to_sampling_ones(trained):
 def test_sampled_drafts_carry_their_distribution_over_the_whole_vocabulary(trained):
     llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 24})
     results = []
-    propose = llm.engine.runner.proposer.propose
+    execute = llm.engine.runner.execute
 
-    def recording(scheduled, hidden, offsets, out):
-        propose(scheduled, hidden, offsets, out)
+    def recording(scheduled):
+        out = execute(scheduled)
         results.extend(r for r in out if r.next_drafts)
+        return out
 
-    llm.engine.runner.proposer.propose = recording
+    llm.engine.runner.execute = recording
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
     llm.generate(prompt_token_ids=prompts_for()[:3], sampling_params=params, use_tqdm=False)
     outside = [t for t in range(PATTERN_VOCAB) if t not in FREQUENT]

@@ -194,6 +194,29 @@ def test_metrics_move(server, client):
     assert "mtpserve:num_requests_running{" in text and "mtpserve:num_requests_waiting{" in text
 
 
+def test_prefix_cache_over_http(server, client):
+    """usage.prompt_tokens_details.cached_tokens (the openai client reads it), the Prometheus counters, cache_salt
+    in the body, and POST /reset_prefix_cache behind the API key."""
+    prompt = list(range(3, 3 + 70))   # 70 token ids: 4 blocks of 16 cached after one run
+    kw = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    first = client.completions.create(**kw)
+    hits_before = metric(server, "mtpserve:prefix_cache_hits_total")
+    again = client.completions.create(**kw)
+    assert again.choices[0].text == first.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    assert metric(server, "mtpserve:prefix_cache_hits_total") - hits_before == 64
+    assert metric(server, "mtpserve:prefix_cache_queries_total") >= 140
+    salted = client.completions.create(**kw, extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert httpx.post(server + "/reset_prefix_cache").status_code == 401
+    assert httpx.post(server + "/reset_prefix_cache", headers=AUTH).status_code == 200
+    assert client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"cache_salt": ""})
+    check_error(e, 400, "cache_salt")
+
+
 def test_disconnect_frees_kv(server, client):
     aborted = metric(server, "mtpserve:request_success_total", 'finished_reason="abort"')
     body = {"model": "tiny", "prompt": "hello world", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0, "ignore_eos": True,

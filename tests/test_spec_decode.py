@@ -314,20 +314,26 @@ def dense_drafts(model, tokens: list[int], k: int) -> list[int]:
     return seq[len(tokens):]
 
 
-def test_chained_drafts_equal_dense_recomputation(trained3):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "separate"])
+def test_chained_drafts_equal_dense_recomputation(trained3, fused):
     """Each depth with a layer of its own runs over the accepted positions, fed the previous depth's outputs
-    (the last depth only at the position read): every step's drafts are those of the dense formula."""
-    llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
-    runner, checked = llm.engine.runner, []
-    propose = runner.proposer.propose
+    (the last depth only at the position read): every step's drafts are those of the dense formula, in the
+    fused decode step (spec_decode/fused.py, eager) as in the separate path (spec_decode/mtp.py)."""
+    llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False,
+                                            "fused_graph_step": fused})
+    runner, checked, fused_steps = llm.engine.runner, [], []
+    execute, fused_step = runner.execute, runner._fused_step
 
-    def recording(scheduled, hidden, offsets, results):
-        propose(scheduled, hidden, offsets, results)
+    def recording(scheduled):
+        results = execute(scheduled)
         for s, r in zip(scheduled, results):
             if r.next_drafts is not None:
                 context = s.req.all_token_ids + r.new_token_ids
                 checked.append(r.next_drafts == dense_drafts(runner.model, context, 3))
+        return results
 
-    runner.proposer.propose = recording
+    runner.execute = recording
+    runner._fused_step = lambda what, scheduled: fused_steps.append(what) or fused_step(what, scheduled)
     llm.generate(prompt_token_ids=prompts_for()[:3], sampling_params=GREEDY, use_tqdm=False)
     assert len(checked) > 10 and all(checked)
+    assert (len(fused_steps) > 5) == fused

@@ -80,6 +80,10 @@ def test_tp2_matches_one_process(ckpt, kw, monkeypatch):
     try:
         preempted = count_preemptions(two)
         tokens_two, metrics_two = run(two, MIXED)
+        if kw.get("num_kv_blocks") and not kw["speculative_config"].get("adaptive"):   # prefix-cache hits on
+            hits = two.engine.block_manager.num_hits                                  # every rank alike
+            again = run(two, MIXED)[0]   # (the unseeded sampler draws anew)
+            assert again[:3] == tokens_two[:3] and two.engine.block_manager.num_hits > hits
     finally:
         two.engine.shutdown()
     assert tokens_two == tokens_one

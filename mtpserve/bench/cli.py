@@ -50,6 +50,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     fu.add_argument("--batch-sizes", default="1,8", help="comma list")
     fu.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: seeded sampling requests (the same tokens with and without MTP) instead of greedy")
+    px = sub.add_parser("prefix", help="the prefix cache on vs off: a shared system prompt, multi-turn chat, and "
+                                       "prompts sharing nothing, MTP on")
+    _common(px, 32, 64)
+    px.add_argument("--system-len", type=int, default=1024)
+    px.add_argument("--turns", type=int, default=5)
+    px.add_argument("--conversations", type=int, default=8)
+    px.add_argument("--k", type=int, default=2)
     ov = sub.add_parser("overlap", help="overlap (a model thread) on vs off, side by side")
     _common(ov)
     ov.add_argument("--ks", default="0,1", help="comma list of num_speculative_tokens, 0 = no MTP")
@@ -162,10 +169,19 @@ def _adaptive(args, path: str) -> dict:
     return res
 
 
+def _prefix(args, path: str) -> dict:
+    from mtpserve.bench import prefix
+    res = prefix.run_prefix(path, args.num_prompts, args.system_len, args.input_len, args.output_len, args.turns,
+                            args.conversations, args.num_iters, args.k, args.dtype)
+    print("\n".join(prefix.table(res)))
+    return res
+
+
 def _fused(args, path: str) -> dict:
     from mtpserve.bench import fused
     res = fused.run_fused(path, common.parse_list(args.ks), common.parse_list(args.batch_sizes), args.input_len,
-                          args.output_len, args.num_iters, args.dtype, args.temperature, args.speculative_config)
+                          args.output_len, args.num_iters, args.dtype, args.temperature, args.speculative_config,
+                          enforce_eager=bool(args.enforce_eager))
     print("\n".join(fused.table(res)))
     return res
 

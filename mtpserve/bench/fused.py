@@ -1,5 +1,6 @@
-"""`mtpserve bench fused`: graph mode's fused speculative step (spec_decode/fused.py) against the separate graphs
-and against no speculation, side by side: the engines run the same prompts, iterations interleaved round-robin.
+"""`mtpserve bench fused`: the fused speculative step (spec_decode/fused.py) against the separate path and against
+no speculation, side by side, in graph mode (or eagerly, --enforce-eager: the same function uncompiled against
+the eager separate path): the engines run the same prompts, iterations interleaved round-robin.
 
 Per batch size and configuration: TPOT (ms per output token, decode only), ms per engine step, tokens per step
 (1 + accepted drafts), speedup over no MTP, and whether the tokens equal no MTP's (greedy, or sampling with a seed
@@ -9,7 +10,8 @@ from mtpserve.bench.latency import build_engine, run_interleaved
 
 
 def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
-              dtype: str = "auto", temperature: float = 0.0, base_spec: dict | None = None, log=print) -> dict:
+              dtype: str = "auto", temperature: float = 0.0, base_spec: dict | None = None, log=print,
+              enforce_eager: bool = False) -> dict:
     """base_spec: further speculative_config fields for every MTP engine (e.g. a draft vocabulary)."""
     specs = {"no_mtp": None}
     for k in ks:
@@ -17,7 +19,7 @@ def run_fused(model: str, ks: list[int], batch_sizes: list[int], input_len: int,
         specs[f"k{k}_separate"] = {**spec, "fused_graph_step": False}
         specs[f"k{k}_fused"] = spec
     max_batch = max(batch_sizes)
-    engines = {name: build_engine(model, spec, max_batch, input_len + output_len, False, dtype,
+    engines = {name: build_engine(model, spec, max_batch, input_len + output_len, enforce_eager, dtype,
                                   graph_batch_sizes=batch_sizes) for name, spec in specs.items()}
     runs = run_interleaved(engines, batch_sizes, input_len, output_len, num_iters, temperature, log)
     rows = []

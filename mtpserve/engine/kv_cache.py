@@ -114,9 +114,10 @@ class BlockManager:
         """Registers req's full blocks whose KV is computed and whose following tokens are known."""
         if not self.enable_caching:
             return
-        b, tokens = self.block_size, req.all_token_ids
+        b = self.block_size
         computed = req.num_computed_tokens - (req.mtp_prefix_hidden is not None)   # (a hand-over's MTP KV owed)
-        full = min(computed, len(tokens) - self.lookahead, len(req.block_ids) * b) // b
+        full = min(computed, req.num_tokens - self.lookahead, len(req.block_ids) * b) // b
+        tokens = req.all_token_ids if full > len(req.block_hashes) else []
         for i in range(len(req.block_hashes), full):
             h = self._hash(req.block_hashes[-1] if req.block_hashes else None, tokens, i, req.params.cache_salt)
             req.block_hashes.append(h)

@@ -36,9 +36,8 @@ class GraphRunner:
         self.compiled = compiled
         self.cuda_graphs = compiled and torch.device(device).type == "cuda"
         mode = "reduce-overhead" if self.cuda_graphs else None
-        self._compile = (lambda fn: fn) if not compiled else lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True,
-                                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
-                                                          "size_asserts": False})
+        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False}
+        self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True, options=options)
 
     def padded_size(self, num_rows: int) -> int | None:
         if not self.compiled:
@@ -113,8 +112,8 @@ class GraphRunner:
             blocks = r.block_ids[:bucket]
             tables += blocks + [0] * (bucket - len(blocks))
         if not self.compiled:   # fresh tensors (the rotary tables are looked up once per positions tensor)
-            return [torch.tensor(v, dtype=torch.long, device=self.device) for v in (ids, positions, seq_lens, slots)] + [
-                torch.tensor(tables, dtype=torch.long, device=self.device).view(len(rows), bucket)]
+            tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
+            return [tensor(ids), tensor(positions), tensor(seq_lens), tensor(slots), tensor(tables).view(len(rows), -1)]
         ids_b, pos_b, seq_b, slot_b, table_b = buf[:5]
         batch = seq_b.shape[0]
         for target, values, fill in ((ids_b, ids, 0), (pos_b, positions, 0), (slot_b, slots, -1),
