@@ -36,8 +36,8 @@ class GraphRunner:
         self.compiled = compiled
         self.cuda_graphs = compiled and torch.device(device).type == "cuda"
         mode = "reduce-overhead" if self.cuda_graphs else None
-        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False}
-        self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True, options=options)
+        self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True, options={   # (a dict
+            "guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False})   # each: compile pops)
 
     def padded_size(self, num_rows: int) -> int | None:
         if not self.compiled:
