@@ -103,7 +103,8 @@ class ModelRunner:
         self.pass_counts[what] += 1
         sampling = None
         if what == "fused_sampled":
-            sampling = fused.sampling_inputs(self.spec, [s.req for s in scheduled], k, self.model.config.vocab_size,
+            sampling = fused.sampling_inputs(self.spec, [s.req for s in scheduled],
+                                             [s.draft_token_ids for s in scheduled], self.model.config.vocab_size,
                                              self.generator, self.device)
         outs, probs = self.fused_steps.run_fused(what, rows, sampling)
         results = []

@@ -142,13 +142,15 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
     return step
 
 
-def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> list[torch.Tensor]:
+def sampling_inputs(spec, reqs, drafts: list[list[int]], vocab_size: int, generator, device) -> list[torch.Tensor]:
     """The sampled fused step's inputs after the first five: per request temperature, top_k, top_p; Exp(1) noise
     [B, 2k+1, V] for the positions from the pending token on; with sampled drafts also a uniform per draft
     [B, k], which rows verify by coupling [B] and the drafts' distributions [B, k, V]; with argmax drafts none of
     these under token-wise verification (every row coupled), the uniforms and the coupled rows under block
     verification. As the unfused Verifier and MTP drafter draw them: a seeded request's draws keyed on its
-    positions, greedy rows none."""
+    positions, greedy rows none. drafts: the k drafts each request verifies (the step's: a worker's copy of a
+    request holds none)."""
+    k = len(drafts[0])
     seeds, positions, greedy = [r.seed for r in reqs], [r.num_tokens for r in reqs], [r.params.greedy for r in reqs]
     noise = draw(seeds, positions, 2 * k + 1, vocab_size, "exponential", TARGET_NOISE, generator, device, greedy)
     inputs = [*sampling_tensors(reqs, None, device), noise]
@@ -157,8 +159,8 @@ def sampling_inputs(spec, reqs, k: int, vocab_size: int, generator, device) -> l
     uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, generator, device, greedy)[..., 0]
     draft_probs = None
     if spec.draft_sampling == "probabilistic":
-        drafts = torch.tensor([r.draft_token_ids for r in reqs], dtype=torch.long, device=device).view(len(reqs), k)
-        draft_probs = stack_draft_probs(reqs, drafts, vocab_size)
+        draft_ids = torch.tensor(drafts, dtype=torch.long, device=device).view(len(reqs), k)
+        draft_probs = stack_draft_probs(reqs, draft_ids, vocab_size)
     coupled = torch.tensor(coupled_rows(draft_probs, spec.verification, [s is not None for s in seeds]), device=device)
     return inputs + [uniforms, coupled] + ([] if draft_probs is None else [draft_probs])
 
