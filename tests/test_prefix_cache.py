@@ -140,3 +140,18 @@ def test_n_children_compute_the_prompt_once(trained1):
     assert len(out[0].outputs) == 4
     assert computed == [21, 1, 1, 1]   # the prompt once; the others hit its 5 blocks and compute its last token
     assert_no_leak(llm)
+
+
+def test_graph_mode_hits_give_eager_tokens(tmp_path):
+    """Graph mode (one batch size, no MTP graph of its own beyond the fused step): prompts repeated over a
+    shared prefix hit the cache and their decode steps run as graphs; tokens are those of eager without the
+    cache."""
+    path = random_checkpoint(tmp_path, num_nextn_predict_layers=1, num_hidden_layers=2)
+    spec = {"num_speculative_tokens": 1, "adaptive": False}
+    graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64,
+                block_size=4)
+    eager = LLM(path, speculative_config=spec, enable_prefix_caching=False, block_size=4)
+    for _ in range(2):
+        assert outputs(graph, prompts(), GREEDY) == outputs(eager, prompts(), GREEDY)
+    assert graph.get_metrics()["prefix_cache_hits"] > 0 and graph.engine.runner.pass_counts["fused"] > 0
+    assert_no_leak(graph)

@@ -4,7 +4,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mtpserve.config import EngineConfig
-from mtpserve.engine import stops, validation
+from mtpserve.engine import stats, stops, validation
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
 from mtpserve.engine.flight import Flight, snapshot
 from mtpserve.engine.kv_cache import BlockManager
@@ -288,28 +288,9 @@ class LLMEngine:
         for req in self.children.pop(parent_id, []):
             self.requests.pop(req.request_id, None)
 
-    # ---- introspection --------------------------------------------------------------------------------
+    # ---- introspection (engine/stats.py) -------------------------------------------------------------
     def get_metrics(self) -> dict:
-        metrics = self.spec_metrics.as_dict() if self.spec_metrics else SpecDecodeMetrics(0).as_dict()
-        queries = sum(c.block_manager.num_queries for c in self.cores)
-        hits = sum(c.block_manager.num_hits for c in self.cores)
-        metrics.update(prefix_cache_queries=queries, prefix_cache_hits=hits,
-                       prefix_cache_hit_rate=hits / queries if queries else 0.0)
-        if self.adaptive is not None:   # steps that drafted k tokens, k = 0..num_speculative_tokens
-            metrics["draft_steps_by_k"] = list(self.adaptive.choices)
-        return metrics
+        return stats.metrics(self)
 
     def get_stats(self) -> dict:
-        cores = self.cores
-        per_rank = [dict(rank=i, num_running=len(c.running), num_waiting=len(c.waiting), kv_usage=c.block_manager.usage,
-                         num_free_blocks=c.block_manager.num_free_blocks, num_total_blocks=c.block_manager.num_blocks)
-                    for i, c in enumerate(cores)]
-        stats = {key: sum(r[key] for r in per_rank)
-                 for key in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks")}
-        stats["kv_usage"] = 1.0 - stats["num_free_blocks"] / stats["num_total_blocks"]
-        if len(cores) > 1:
-            stats["data_parallel_ranks"] = per_rank
-        stats["num_held_kv_requests"] = sum(len(c.held) for c in cores)
-        stats["num_preemptions"] = sum(c.num_preemptions for c in cores)
-        stats["num_padded_handoff_steps"] = self.num_padded_handoff_steps
-        return stats
+        return stats.load(self)
