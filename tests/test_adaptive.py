@@ -1,6 +1,6 @@
 """Adaptive speculation length in the engine: losslessness while k switches between 0 and its maximum from
-step to step, the MTP passes a step runs for the k it drafts, graph mode, the calibration, and the k reported. (The policy
-itself: test_adaptive_policy.py.)"""
+step to step, the MTP passes a step runs for the k it drafts, graph mode, the calibration, and the k reported.
+(The policy itself: test_adaptive_policy.py.)"""
 import pytest
 
 from mtpserve import LLM, SamplingParams

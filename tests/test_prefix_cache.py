@@ -38,13 +38,13 @@ def assert_no_leak(llm):
 ], ids=["mtp-k1", "adaptive-k3-chunked", "mtp-k2-evicted-preempted", "no-spec"])
 def test_outputs_identical_with_the_cache_on_and_off(trained1, spec, kw):
     """Each prompt set runs twice on one engine (the second time its prefixes are cached, the system prompt from
-    the first request on), greedy and seeded, n = 1 and 3: the tokens are those of an engine without the cache,
+    the first request on), greedy and seeded, n = 1 and 4: the tokens are those of an engine without the cache,
     and the MTP acceptance per position on the cached prompts is the same as on the uncached ones."""
     kw = dict(block_size=4, **kw)
     on, off = LLM(trained1, speculative_config=spec, **kw), LLM(trained1, speculative_config=spec,
                                                                  enable_prefix_caching=False, **kw)
-    three = SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=8, ignore_eos=True)
-    for params in (GREEDY, SEEDED, three):
+    four = SamplingParams(temperature=0.8, seed=5, n=4, max_tokens=8, ignore_eos=True)
+    for params in (GREEDY, SEEDED, four):
         want = outputs(off, prompts(), params)
         assert outputs(off, prompts(), params) == want
         assert outputs(on, prompts(), params) == want   # (the system prompt hits after the first request)
