@@ -123,6 +123,9 @@ def run_bench(args) -> dict | None:
         import torch
         torch.set_num_threads(args.threads)
     if hasattr(args, "enable_prefix_caching"):
+        if not args.enable_prefix_caching and args.bench_command in ("prefix", "serve"):
+            raise SystemExit(f"--no-enable-prefix-caching: not for bench {args.bench_command} (prefix runs the cache "
+                             "on and off itself; serve measures a server: pass it to `mtpserve serve`)")
         from mtpserve.bench import latency
         latency.ENGINE_DEFAULTS["enable_prefix_caching"] = args.enable_prefix_caching
     record = common.run_record(args.bench_command, args)

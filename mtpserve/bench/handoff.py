@@ -5,6 +5,7 @@ engines on the same weights (the transfer itself is timed by scripts/bench_disag
 import time
 
 from mtpserve.bench import common
+from mtpserve.bench.latency import ENGINE_DEFAULTS
 from mtpserve.disagg.handoff import import_handoff
 from mtpserve.engine.disagg import prefill
 from mtpserve.engine.engine import LLMEngine
@@ -13,8 +14,9 @@ from mtpserve.sampling_params import SamplingParams
 
 def run_handoff(path: str, k: int, batch: int, input_len: int, num_iters: int, dtype: str) -> dict:
     spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}
-    prefill_engine = LLMEngine.from_kwargs(path, spec, dtype=dtype, enforce_eager=True)
-    decode = LLMEngine.from_kwargs(path, spec, dtype=dtype, enforce_eager=False, graph_batch_sizes=[batch])
+    prefill_engine = LLMEngine.from_kwargs(path, spec, dtype=dtype, enforce_eager=True, **ENGINE_DEFAULTS)
+    decode = LLMEngine.from_kwargs(path, spec, dtype=dtype, enforce_eager=False, graph_batch_sizes=[batch],
+                                   **ENGINE_DEFAULTS)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = common.make_prompts(batch, input_len, decode.model_config.vocab_size, decode.tokenizer, seed=1)
     handoffs = {scheme: [prefill(prefill_engine, f"{scheme}{i}", None, p, params, scheme)

@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mtpserve.bench import common
+from mtpserve.bench.latency import ENGINE_DEFAULTS
 
 MiB = 2 ** 20
 # The ~300M benchmark model with mixture-of-experts layers (8 routed experts, top-2, one shared), for DP+EP.
@@ -134,7 +135,8 @@ def run_config(path: str, layout: dict, batch_sizes: list[int], input_len: int, 
     start = time.perf_counter()
     llm = LLM(model=path, dtype=dtype, speculative_config=spec, enforce_eager=True, max_num_seqs=max(batch_sizes),
               seed=0, quantization=quantization, tensor_parallel_size=layout["tensor_parallel_size"],
-              data_parallel_size=layout["data_parallel_size"], enable_expert_parallel=layout["enable_expert_parallel"])
+              data_parallel_size=layout["data_parallel_size"], enable_expert_parallel=layout["enable_expert_parallel"],
+              **ENGINE_DEFAULTS)
     startup_s = time.perf_counter() - start
     cfg = llm.engine.model_config
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

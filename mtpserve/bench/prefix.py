@@ -41,11 +41,9 @@ def _run(engine, prompts, output_len, tag) -> dict:
 def run_prefix(model: str, num_prompts: int, system_len: int, question_len: int, output_len: int, turns: int,
                conversations: int, num_iters: int, k: int, dtype: str, log=print) -> dict:
     spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}
-    max_len = system_len + question_len + output_len + 64
-    engines = {"cache_on": build(model, spec, True, max(max_len, turns * (question_len + output_len) + 64),
-                                 max(num_prompts, conversations), dtype)}
-    engines["cache_off"] = build(model, spec, False, max(max_len, turns * (question_len + output_len) + 64),
-                                 max(num_prompts, conversations), dtype)
+    max_len = max(system_len, turns * (question_len + output_len)) + question_len + output_len + 64
+    engines = {name: build(model, spec, caching, max_len, max(num_prompts, conversations), dtype)
+               for name, caching in (("cache_on", True), ("cache_off", False))}
     first = engines["cache_on"]
     vocab, tok = first.model_config.vocab_size, first.tokenizer
     texts = common.make_prompts(1 + num_prompts * (num_iters + 1) + conversations * turns * num_iters,

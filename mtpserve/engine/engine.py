@@ -38,10 +38,10 @@ class LLMEngine:
         self.device, self.dtype = self.runner.device, setup.dtype
         min_last_chunk = self.runner.proposer.min_last_chunk() if self.runner.proposer else 1
         # (a block's MTP KV depends on as many tokens after it as MTP layers are chained: kv_cache.py)
-        blocks = lambda: BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,  # noqa: E731
-                                      len(self.runner.mtp_caches))
-        self.cores = [Scheduler(blocks(), cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_lookahead_slots,
-                                min_last_chunk) for _ in range(cfg.data_parallel_size)]   # one per data-parallel rank
+        self.cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                             len(self.runner.mtp_caches)),
+                                cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_lookahead_slots, min_last_chunk)
+                      for _ in range(cfg.data_parallel_size)]   # one scheduler per data-parallel rank
         self.scheduler = self.cores[0] if len(self.cores) == 1 else DataParallelScheduler(self.cores)
         self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)
         self.use_graphs = self.runner.graphs is not None

@@ -81,7 +81,9 @@ class Scheduler:
             if req.parent_id in prefilling:   # (n > 1, prefix caching: a sibling computes the prompt first)
                 break
             if req.num_computed_tokens == 0:
-                req.num_cached_tokens = self.block_manager.take_cached_prefix(req)
+                hit = self.block_manager.take_cached_prefix(req)
+                if req.num_preemptions == 0:   # (a resume also hits its own output's blocks)
+                    req.num_cached_tokens = hit
             item = self._plan(req, budget)
             if item is None or not self.block_manager.allocate(req, self._slots_needed(item)):
                 self.block_manager.free(req)   # (the cached blocks it took go back; it starts over next time)

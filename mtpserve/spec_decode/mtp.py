@@ -168,12 +168,10 @@ class MTPProposer:
         if not drafting:
             return
         drafts = torch.stack(drafts, dim=1).tolist()
-        for n, i in enumerate(drafting):
-            s = scheduled[i]
-            wanted = k if s.num_next_drafts is None else s.num_next_drafts
-            results[i].next_drafts = drafts[n][:wanted] or None
-            if draft_probs[0] is not None and wanted:
-                results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs[:wanted]])
+        for n, i in enumerate(drafting):   # (one k for the whole step: adaptive.plan_drafts)
+            results[i].next_drafts = drafts[n]
+            if draft_probs[0] is not None:
+                results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs])
 
     def _exact_depth(self, scheduled, k: int, handed_over: bool) -> int:
         """The own layers this step runs as trained (chained, each fed the outputs of the one before); the deeper
