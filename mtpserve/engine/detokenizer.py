@@ -11,9 +11,11 @@ def detokenize_incrementally(tokenizer, req: Request, end: int | None = None) ->
         return ""
     ids = req.output_token_ids
     end = len(ids) if end is None else end
-    skip = req.params.skip_special_tokens
-    prefix = tokenizer.decode(ids[req.detok_prefix_offset:req.detok_read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[req.detok_prefix_offset:end], skip_special_tokens=skip)
+    options = dict(skip_special_tokens=req.params.skip_special_tokens)
+    if not req.params.spaces_between_special_tokens:   # (a slow tokenizer's option; fast ones join without them)
+        options["spaces_between_special_tokens"] = False
+    prefix = tokenizer.decode(ids[req.detok_prefix_offset:req.detok_read_offset], **options)
+    full = tokenizer.decode(ids[req.detok_prefix_offset:end], **options)
     if full.endswith("\ufffd") or len(full) <= len(prefix):
         return ""   # an incomplete UTF-8 sequence: wait for the next token
     new_text = full[len(prefix):]

@@ -5,10 +5,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from mtpserve.config import EngineConfig
 from mtpserve.engine import stats, stops, validation
+from mtpserve.engine.outputs import logprob_dicts, request_output, take_prompt_logprobs
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
 from mtpserve.engine.flight import Flight, snapshot
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.engine.request import CompletionOutput, Request, RequestOutput, request_seed
+from mtpserve.engine.request import Request, RequestOutput, request_seed
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front, load_tokenizer
 from mtpserve.executor.multiproc import MultiProcExecutor
@@ -115,9 +116,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         dp = self.config.data_parallel_size
         token_ids, max_tokens = validation.check_request(self, prompt, prompt_token_ids, params, data_parallel_rank)
+        params = validation.prepare_params(self, params)
         children = []
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+        num_run = max(params.n, params.best_of or 1)   # best_of > n: the n best are returned (engine/outputs.py)
+        for i in range(num_run):
+            child_id = request_id if num_run == 1 else f"{request_id}#{i}"
             req = Request(child_id, prompt, list(token_ids), params, max_tokens, request_seed(params, i), i, request_id)
             req.hold_kv = hold_kv
             children.append(req)
@@ -193,7 +196,10 @@ class LLMEngine:
             req = s.req
             if gone:
                 continue
-            if isinstance(r, Exception) or req.is_finished:   # (a sibling failed this step)
+            failed = isinstance(r, Exception) or req.is_finished   # (a sibling failed this step)
+            if not failed:
+                take_prompt_logprobs(req, r, self.tokenizer)
+            if failed:
                 self._fail(req, r, now)
             elif not s.samples:
                 req.num_computed_tokens += s.num_new_tokens
@@ -211,6 +217,8 @@ class LLMEngine:
         if r.num_drafts and self.spec_metrics is not None:
             self.spec_metrics.record(r.num_drafts, r.num_accepted)
         num_appended, reason = stops.take_tokens(req, r.new_token_ids, self.eos_token_ids)
+        if r.logprobs is not None:
+            req.logprobs += logprob_dicts(r.logprobs[:num_appended], self.tokenizer)
         if reason is not None:
             self.scheduler.finish(req, reason)
         req.metrics.first_token_time = req.metrics.first_token_time or now
@@ -235,7 +243,7 @@ class LLMEngine:
                 self._fail(req, e, now)
                 continue
             if keep is not None:   # the tokens after the stop string go
-                del req.output_token_ids[keep:]
+                del req.output_token_ids[keep:], req.logprobs[keep:]
                 req.finish_reason = "stop"   # (over "length")
                 if not req.is_finished:
                     self.scheduler.finish(req, "stop")
@@ -276,13 +284,7 @@ class LLMEngine:
         req.error = req.error or "a sibling completion failed"
 
     def _output(self, parent_id: str) -> RequestOutput:
-        kids = self.children[parent_id]
-        outs = [CompletionOutput(r.index, r.text, list(r.output_token_ids), r.finish_reason, r.stop_reason)
-                for r in kids]
-        error = next((r.error for r in kids if r.error), None)
-        return RequestOutput(parent_id, kids[0].prompt, kids[0].prompt_token_ids, outs,
-                             all(r.is_finished for r in kids), kids[0].metrics, error,
-                             num_cached_tokens=min(r.num_cached_tokens for r in kids))
+        return request_output(parent_id, self.children[parent_id])
 
     def _forget(self, parent_id: str) -> None:
         for req in self.children.pop(parent_id, []):

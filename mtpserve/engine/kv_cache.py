@@ -87,8 +87,8 @@ class BlockManager:
         """A request about to compute its tokens from the start takes the longest run of cached blocks of them
         (at least one token is left to compute: the step after samples from its hidden state); returns the
         tokens it hit."""
-        if not self.enable_caching or req.block_ids:
-            return 0
+        if not self.enable_caching or req.block_ids or req.params.prompt_logprobs is not None:
+            return 0   # (prompt logprobs need every prompt position computed)
         hashes = self.cached_run(req)
         blocks = [self.cached[h] for h in hashes]
         for block in blocks:

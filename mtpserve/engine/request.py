@@ -54,6 +54,8 @@ class Request:
     last_hidden: torch.Tensor | None = None          # prefill side: hidden state at the last prompt position
     placeholder_drafts: bool = False                 # decode side: drafts that only pad the step's shape
     mtp_prefix_hidden: torch.Tensor | None = None    # decode side: the MTP input hidden for the position before
+    logprobs: list = field(default_factory=list)      # per output token {token: Logprob} (params.logprobs set)
+    prompt_logprobs: list = field(default_factory=list)   # per prompt token: None, then {token: Logprob}
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property
@@ -75,12 +77,22 @@ def request_seed(params: SamplingParams, index: int) -> int | None:
 
 
 @dataclass
+class Logprob:
+    """vLLM's: a token's log-probability under the target model, its rank (1 = most likely), its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None   # per token: the sampled one and the top params.logprobs
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -93,3 +105,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None   # set when the engine failed the request (its finish_reason is "error")
     num_cached_tokens: int = 0   # prompt tokens found in the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # None for the first prompt token

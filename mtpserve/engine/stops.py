@@ -46,5 +46,5 @@ def _cut_at_stop_string(req: Request, new_len: int) -> bool:
     if not hits:
         return False
     index, stop = min(hits)
-    req.text, req.stop_reason = req.text[:index], stop
+    req.text, req.stop_reason = req.text[:index + (len(stop) if req.params.include_stop_str_in_output else 0)], stop
     return True

@@ -28,7 +28,7 @@ class ScheduledItem:
     draft_token_ids: list[int]
     block_ids: list[int]
     new_token_ids: list[int]            # tokens of the request the worker has not seen yet
-    first_seen: tuple | None = None     # (params, index) the first time the request is sent
+    first_seen: tuple | None = None     # (params, index, prompt length) the first time the request is sent
     num_next_drafts: int | None = None
 
 
@@ -55,7 +55,7 @@ class StepSender:
             if self.sent.get(rid) is not req:   # new (or a new request reusing a finished one's id)
                 forget += [rid] if rid in self.sent else []
                 self.sent[rid], self.num_sent[rid] = req, 0
-            first = (req.params, req.index) if self.num_sent[rid] == 0 else None
+            first = (req.params, req.index, len(req.prompt_token_ids)) if self.num_sent[rid] == 0 else None
             tokens = req.all_token_ids
             items.append(ScheduledItem(rid, s.start, s.num_new_tokens, list(s.draft_token_ids), list(req.block_ids),
                                        tokens[self.num_sent[rid]:], first, s.num_next_drafts))
@@ -75,12 +75,14 @@ class RequestMirror:
             self.requests.pop(rid, None)
         scheduled = []
         for item in msg.items:
-            if item.first_seen is not None:
-                params, index = item.first_seen
-                self.requests[item.request_id] = Request(item.request_id, None, [], params, 0,
+            tokens = item.new_token_ids
+            if item.first_seen is not None:   # (its first message carries the whole prompt)
+                params, index, num_prompt = item.first_seen
+                self.requests[item.request_id] = Request(item.request_id, None, tokens[:num_prompt], params, 0,
                                                          request_seed(params, index), index)
+                tokens = tokens[num_prompt:]
             req = self.requests[item.request_id]
-            req.output_token_ids += item.new_token_ids
+            req.output_token_ids += tokens
             req.block_ids = item.block_ids
             scheduled.append(ScheduledRequest(req, item.start, item.num_new_tokens, item.draft_token_ids,
                                               item.num_next_drafts))

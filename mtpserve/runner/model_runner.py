@@ -8,6 +8,7 @@ from mtpserve.config import SpeculativeConfig
 from mtpserve.runner.batch import Row, build_batch
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.graphs import GraphRunner
+from mtpserve.sampling import logprobs, processors
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode import fused
 from mtpserve.spec_decode.proposer import make_proposer, proposer_class
@@ -22,6 +23,9 @@ class StepResult:
     next_drafts: list[int] | None = None
     next_draft_probs: torch.Tensor | None = None
     last_hidden: torch.Tensor | None = None  # the sampled position's hidden state (requests that hold their KV)
+    logprobs: list | None = None             # per new token [(token, logprob, rank), top...] (sampling/logprobs.py)
+    prompt_logprobs: list | None = None      # the same for prompt tokens prompt_logprobs_start.. of this chunk
+    prompt_logprobs_start: int = 0
 
 
 def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
@@ -183,6 +187,8 @@ class ModelRunner:
         verifying = [i for i, s in enumerate(scheduled) if s.samples and s.draft_token_ids]
         if verifying:
             self.verifier(verifying, scheduled, hidden, offsets, results)
+        if any(s.req.params.logprobs is not None or s.req.params.prompt_logprobs is not None for s in scheduled):
+            logprobs.attach(self.model, scheduled, hidden, offsets, results)
         if self.proposer is not None:
             self.proposer.propose(scheduled, hidden, offsets, results)
         if self.dp is not None:
@@ -206,10 +212,12 @@ class ModelRunner:
             return
         reqs = [scheduled[i].req for i in idx]
         last_hidden = hidden[[offsets[i] + scheduled[i].num_query_tokens - 1 for i in idx]]
+        logits = processors.process(self.model.compute_logits(last_hidden),
+                                    [h for r in reqs for h in processors.histories(r, [[]])])
         if all(r.params.greedy for r in reqs):   # no distribution needed: the argmax is the sample
-            tokens = self.model.compute_logits(last_hidden).argmax(-1)
+            tokens = logits.argmax(-1)
         else:
-            probs = request_probs(self.model.compute_logits(last_hidden), reqs, None, self.device)
+            probs = request_probs(logits, reqs, None, self.device)
             noise = draw([r.seed for r in reqs], [r.num_tokens for r in reqs], 1, probs.shape[-1], "exponential",
                          TARGET_NOISE, self.generator, self.device, [r.params.greedy for r in reqs])
             tokens = sample(probs, noise[:, 0])

@@ -17,6 +17,7 @@ resumes. Slots written past the accepted length are never read before being over
 import torch
 
 from mtpserve.runner.batch import Row
+from mtpserve.sampling import processors
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 
 
@@ -121,8 +122,11 @@ class MTPProposer:
         draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
         prev_hidden = out[[last[i] for i in drafting]] if exact_depth > 1 else out[drafting]
         drafts, draft_probs, depth_hidden = [], [], [prev_hidden]
+        # the tokens each drafting request has generated past its output by each depth (its processors read them)
+        generated = ([results[i].new_token_ids for i in drafting] if any(r.params.processes_logits for r in reqs)
+                     else None)
         if drafting:
-            token, probs = self._draft(0, prev_hidden, reqs, draft_positions)
+            token, probs = self._draft(0, prev_hidden, reqs, draft_positions, generated)
             drafts, draft_probs = [token], [probs]
         next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
                     for i in drafting]
@@ -160,7 +164,9 @@ class MTPProposer:
                 prev_hidden = self.forward(f"mtp{layer}", step_rows, inputs, output_index=outputs)
             if j >= k:
                 continue
-            token, probs = self._draft(layer, prev_hidden, reqs, [p + j for p in draft_positions])
+            if generated is not None:
+                generated = [g + [d] for g, d in zip(generated, drafts[-1].tolist())]
+            token, probs = self._draft(layer, prev_hidden, reqs, [p + j for p in draft_positions], generated)
             drafts.append(token)
             draft_probs.append(probs)
             depth_hidden.append(prev_hidden)
@@ -211,12 +217,17 @@ class MTPProposer:
         known for a chunk only inside the prompt, so the last positions must come with the sampled token."""
         return self._chain_depth()
 
-    def _draft(self, layer, hidden, reqs, positions):
+    def _draft(self, layer, hidden, reqs, positions, generated=None):
         """Drafts one token per request, and the distribution it was drawn from over the whole vocabulary.
         With a draft vocabulary the head scores only its tokens: drafts are mapped back to token ids and the
-        distribution is zero elsewhere (exactly what was sampled from, so verification stays lossless)."""
+        distribution is zero elsewhere (exactly what was sampled from, so verification stays lossless).
+        generated: per request, the tokens past its output before this draft (its processors read them)."""
         logits = self.model.mtp_logits(layer, hidden, restricted=True)
         vocab = self.model.draft_vocab
+        if generated is not None:
+            logits = processors.process(logits.float(), [processors.histories(r, [g])[0]
+                                                         for r, g in zip(reqs, generated)],
+                                        vocab, self.model.config.vocab_size, drafting=True)
         if self.spec.draft_sampling == "greedy" or all(r.params.greedy for r in reqs):
             token = logits.argmax(-1)   # one-hot drafts: no distribution to keep
             return (token if vocab is None else vocab[token]), None

@@ -3,6 +3,7 @@ request is greedy, else token-wise / block / coupled verification (spec_decode/v
 distributions with each request's draws (sampling/sampler.py), or the lossy synthetic-acceptance mode."""
 import torch
 
+from mtpserve.sampling import processors
 from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
@@ -31,12 +32,15 @@ class Verifier:
         reqs = [scheduled[i].req for i in idx]
         rows = [offsets[i] + scheduled[i].num_query_tokens - k - 1 + j for i in idx for j in range(k + 1)]
         drafts = torch.tensor([scheduled[i].draft_token_ids for i in idx], device=self.device)
+        # position j of request i is processed as if drafts[:j] were generated (processors.py)
+        logits = processors.process(self.model.compute_logits(hidden[rows]), [
+            h for i in idx for h in processors.histories(scheduled[i].req, [scheduled[i].draft_token_ids[:j]
+                                                                            for j in range(k + 1)])])
         if self.spec.synthetic_acceptance is None and all(r.params.greedy for r in reqs):
             # greedy matching: keep drafts while they equal the target's argmax, then one argmax more
-            target_ids = self.model.compute_logits(hidden[rows]).argmax(-1).view(len(idx), k + 1)
+            target_ids = logits.argmax(-1).view(len(idx), k + 1)
             accepted = (drafts == target_ids[:, :k]).long().cumprod(-1).sum(-1)
             return self._record(idx, target_ids, self._reject_placeholders(reqs, accepted), k, results, reqs)
-        logits = self.model.compute_logits(hidden[rows])
         target = request_probs(logits, reqs, [k + 1] * len(idx), self.device).view(len(idx), k + 1, -1)
         seeds, positions = [r.seed for r in reqs], [r.num_tokens for r in reqs]
         greedy = [r.params.greedy for r in reqs]
