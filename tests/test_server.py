@@ -276,8 +276,11 @@ def test_bad_inputs(server, client):
         client.completions.create(model="tiny", prompt=[[5, 6, 100000]], max_tokens=2)
     check_error(e, 400, "prompt")
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="x", logprobs=2)
+        client.completions.create(model="tiny", prompt="x", logprobs=21)
     check_error(e, 400, "logprobs")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", suffix="y")
+    check_error(e, 400, "suffix")
     bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         bad.completions.create(model="tiny", prompt="x", max_tokens=2)

@@ -66,19 +66,27 @@ def prepare_prompts(req: protocol.GenerationRequest, tokenizer, max_model_len: i
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError("this model has no chat template; use /v1/completions", param="messages")
         try:
-            text = tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(req.messages, tokenize=False,
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=req.continue_final_message,
+                                                 chat_template=req.chat_template, **req.chat_template_kwargs)
         except Exception as e:
             raise APIError(f"'messages' could not be rendered by the chat template: {e}", param="messages")
-        prompts = [(text, encode(tokenizer, text, max_model_len, "messages", add_special_tokens=False))]
+        prompts = [(text, encode(tokenizer, text, max_model_len, "messages",
+                                 add_special_tokens=bool(req.add_special_tokens)))]
     else:
         prompts = []
+        special = True if req.add_special_tokens is None else req.add_special_tokens
         for p in req.prompts:
             if isinstance(p, str):
                 if tokenizer is None:
                     raise APIError("this model has no tokenizer: send 'prompt' as token ids", param="prompt")
-                prompts.append((p, encode(tokenizer, p, max_model_len, "prompt")))
+                prompts.append((p, encode(tokenizer, p, max_model_len, "prompt", add_special_tokens=special)))
             else:
                 prompts.append((None, list(p)))
+    keep = req.sampling.get("truncate_prompt_tokens")
+    if keep is not None:   # (the prompt's text no longer matches its ids: echo decodes them)
+        prompts = [(text if len(ids) <= keep else None, ids[-keep:]) for text, ids in prompts]
     field = "messages" if chat else "prompt"
     for _, ids in prompts:
         if len(ids) >= max_model_len:
@@ -90,6 +98,8 @@ def prepare_prompts(req: protocol.GenerationRequest, tokenizer, max_model_len: i
 def make_params(req: protocol.GenerationRequest, num_prompt_tokens: int, max_model_len: int,
                 chat: bool) -> SamplingParams:
     kwargs = dict(req.sampling)
+    if req.echo and kwargs.get("logprobs") is not None:   # the echoed prompt's logprobs too
+        kwargs.setdefault("prompt_logprobs", kwargs["logprobs"])
     room = max_model_len - num_prompt_tokens
     max_tokens = kwargs.get("max_tokens")
     if max_tokens is None:   # OpenAI's defaults: 16 for completions, the rest of the context for chat
@@ -143,13 +153,53 @@ async def merge(streams):
             task.cancel()
 
 
-def _finished_usage(finals: dict) -> dict:
+def _finished_usage(finals: dict, req: protocol.GenerationRequest) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in finals.values())
-    completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+    completion = 0 if req.echo_only else sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
     return protocol.usage(prompt, completion, sum(o.num_cached_tokens for o in finals.values()))
 
 
-async def collect(streams, req: protocol.GenerationRequest, request_id: str, model: str, chat: bool) -> dict:
+class ChoiceView:
+    """What one choice shows of an engine output: with echo the prompt first, with echo_only nothing
+    generated; its logprobs in the endpoint's format, from the `start`-th token shown."""
+
+    def __init__(self, req: protocol.GenerationRequest, chat: bool, tokenizer):
+        self.req, self.chat, self.tokenizer = req, chat, tokenizer
+        self.top_n = req.sampling.get("logprobs")
+
+    def token_text(self, t: int) -> str:
+        if self.req.tokens_as_ids or self.tokenizer is None:
+            return f"token_id:{t}"
+        return self.tokenizer.decode([t])
+
+    def prompt_text(self, out) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return "" if self.tokenizer is None else self.tokenizer.decode(out.prompt_token_ids)
+
+    def text(self, out, c) -> str:
+        generated = "" if self.req.echo_only else c.text
+        return self.prompt_text(out) + generated if self.req.echo else generated
+
+    def tokens(self, out, c) -> tuple[list[int], list | None]:
+        ids = [] if self.req.echo_only else list(c.token_ids)
+        entries = None if c.logprobs is None else ([] if self.req.echo_only else c.logprobs)
+        if self.req.echo:
+            ids = list(out.prompt_token_ids) + ids
+            entries = None if entries is None else list(out.prompt_logprobs or []) + entries
+        return ids, entries
+
+    def logprobs(self, out, c, start: int = 0, offset: int = 0) -> dict | None:
+        ids, entries = self.tokens(out, c)
+        if entries is None:
+            return None
+        if self.chat:
+            return protocol.chat_logprobs(ids[start:], entries[start:], self.token_text, self.top_n)
+        return protocol.completion_logprobs(ids[start:], entries[start:], self.token_text, offset)
+
+
+async def collect(streams, req: protocol.GenerationRequest, request_id: str, model: str, chat: bool,
+                  tokenizer=None) -> dict:
     finals = {}
     try:
         async with aclosing(merge(streams)) as outputs:
@@ -158,14 +208,16 @@ async def collect(streams, req: protocol.GenerationRequest, request_id: str, mod
     except (EngineError, EngineDeadError) as e:
         raise engine_failure(e, request_id)
     n = req.sampling.get("n", 1)
+    view = ChoiceView(req, chat, tokenizer)
     choices = []
     for i in sorted(finals):
         for c in finals[i].outputs:
             ids = c.token_ids if req.return_token_ids else None
             make = protocol.chat_choice if chat else protocol.completion_choice
-            choices.append(make(i * n + c.index, c.text, c.finish_reason, ids))
+            choices.append(make(i * n + c.index, view.text(finals[i], c), c.finish_reason, ids,
+                                view.logprobs(finals[i], c)))
     choices.sort(key=lambda c: c["index"])
-    return protocol.completion_response(request_id, model, choices, _finished_usage(finals), chat)
+    return protocol.completion_response(request_id, model, choices, _finished_usage(finals, req), chat)
 
 
 def _sse(obj) -> str:
@@ -184,44 +236,61 @@ def _sendable(text: str, finished: bool, holdback: int) -> str:
 class _ChoiceState:
     """What has been streamed of each choice so far."""
 
-    def __init__(self, req, request_id, model, chat, created):
+    def __init__(self, req, request_id, model, chat, created, tokenizer):
         self.req, self.request_id, self.model, self.chat, self.created = req, request_id, model, chat, created
+        self.view = ChoiceView(req, chat, tokenizer)
         self.holdback = max((len(s) for s in req.sampling.get("stop") or []), default=1) - 1
-        self.sent_chars, self.sent_ids, self.done = {}, {}, set()
+        self.sent_chars, self.sent_ids, self.sent_tokens, self.done = {}, {}, {}, set()
 
-    def chunks(self, idx: int, c) -> list[str]:
+    def chunks(self, idx: int, out, c) -> list[str]:
         if idx in self.done:
             return []
         finished = c.finish_reason is not None
-        text = _sendable(c.text, finished, self.holdback)
+        text = _sendable(self.view.text(out, c), finished, self.holdback)
         delta = text[self.sent_chars.get(idx, 0):]
         self.sent_chars[idx] = max(self.sent_chars.get(idx, 0), len(text))
         ids = None
         if self.req.return_token_ids:
             ids = c.token_ids[self.sent_ids.get(idx, 0):]
             self.sent_ids[idx] = len(c.token_ids)
+        logprobs, sent = None, self.sent_tokens.get(idx, 0)
+        shown, entries = self.view.tokens(out, c)
+        if entries is not None and len(entries) > sent:
+            offset = sum(len(self.view.token_text(t)) for t in shown[:sent]) if not self.chat else 0
+            logprobs = self.view.logprobs(out, c, sent, offset)
+            self.sent_tokens[idx] = len(entries)
         if finished:
             self.done.add(idx)
-        if not (delta or finished or ids):
+        if not (delta or finished or ids or logprobs):
             return []
         return [_sse(protocol.stream_chunk(self.request_id, self.model, self.created, self.chat, idx, delta,
-                                           c.finish_reason if finished else None, token_ids=ids))]
+                                           c.finish_reason if finished else None, token_ids=ids, logprobs=logprobs))]
+
+    def usage(self, outs: dict) -> dict:
+        return _finished_usage(outs, self.req)
 
 
-async def stream_sse(streams, req: protocol.GenerationRequest, request_id: str, model: str, chat: bool):
-    """SSE lines in OpenAI's chunk format, ending with `data: [DONE]`."""
+async def stream_sse(streams, req: protocol.GenerationRequest, request_id: str, model: str, chat: bool,
+                     tokenizer=None):
+    """SSE lines in OpenAI's chunk format, ending with `data: [DONE]`. continuous_usage_stats: each chunk
+    carries the usage so far."""
     created = int(time.time())
     n = req.sampling.get("n", 1)
-    state = _ChoiceState(req, request_id, model, chat, created)
-    finals = {}
+    state = _ChoiceState(req, request_id, model, chat, created, tokenizer)
+    finals, latest = {}, {}
     if chat:
         for idx in range(len(streams) * n):
             yield _sse(protocol.stream_chunk(request_id, model, created, chat, idx, None, role=True))
     try:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
+                latest[i] = out
                 for c in out.outputs:
-                    for line in state.chunks(i * n + c.index, c):
+                    for line in state.chunks(i * n + c.index, out, c):
+                        if req.continuous_usage_stats:
+                            chunk = json.loads(line[len("data: "):])
+                            chunk["usage"] = state.usage(latest)
+                            line = _sse(chunk)
                         yield line
                 if out.finished:
                     finals[i] = out
@@ -231,5 +300,5 @@ async def stream_sse(streams, req: protocol.GenerationRequest, request_id: str, 
         for s in streams:
             s.abort()
     if req.include_usage and len(finals) == len(streams):
-        yield _sse(protocol.usage_chunk(request_id, model, created, chat, _finished_usage(finals)))
+        yield _sse(protocol.usage_chunk(request_id, model, created, chat, state.usage(finals)))
     yield "data: [DONE]\n\n"

@@ -83,6 +83,7 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     max_model_len = max_model_len or engine.max_model_len
     tokenizer = _own_copy(engine.tokenizer)   # the engine thread uses its tokenizer concurrently
+    loop_tokenizer = _own_copy(engine.tokenizer)   # the event loop's, for logprob tokens and echoed prompts
     if chat_template is not None and tokenizer is not None:
         tokenizer.chat_template = chat_template
     # one thread parses bodies and tokenises prompts (the tokenizer copy is not shared between threads)
@@ -175,9 +176,9 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
             return await _prefill_only(request, streams, req, request_id, model, chat)
 
         if req.stream:   # stream_sse aborts the requests when it is closed early
-            return EngineStreamingResponse(generation.stream_sse(streams, req, request_id, model, chat),
+            return EngineStreamingResponse(generation.stream_sse(streams, req, request_id, model, chat, loop_tokenizer),
                                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat))
+        collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat, loop_tokenizer))
         watching = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await _first_of(collecting, watching)
@@ -192,7 +193,7 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
         """A prefill server's answer: the first token, and where a decode server pulls the rest from."""
         engine_request_id, parked = f"{request_id}-0", False
         try:
-            collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat))
+            collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat, loop_tokenizer))
             await _first_of(collecting, asyncio.ensure_future(_wait_for_disconnect(request)))
             if not collecting.done() or collecting.cancelled():
                 return Response(status_code=499)

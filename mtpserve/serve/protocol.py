@@ -3,7 +3,8 @@
 Parsing never trusts the body: each field is type-checked here, and ranges are checked here (the limits
 below) and by SamplingParams.validate() and the engine (top_k and token ids against the vocabulary); any
 problem raises APIError naming the field and the limit (HTTP 400 in OpenAI's error format). Unknown fields
-are ignored, as OpenAI clients send extras.
+are ignored, as OpenAI clients send extras; every field of vLLM's request models is honoured or refused
+(SAMPLING_FIELDS, OTHER_FIELDS, UNSUPPORTED_UNLESS).
 """
 import math
 import time
@@ -31,6 +32,7 @@ MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEQUENCES_PER_REQUEST = 256   # prompts x n
+MAX_LOGPROBS = 20                 # vLLM's default max_logprobs
 
 
 def check_text(name: str, text: str) -> str:
@@ -46,13 +48,34 @@ def check_text(name: str, text: str) -> str:
 _NUM = (int, float)
 SAMPLING_FIELDS = {
     "temperature": ("temperature", _NUM), "top_p": ("top_p", _NUM), "top_k": ("top_k", int),
-    "max_tokens": ("max_tokens", int), "n": ("n", int), "seed": ("seed", int),
+    "min_p": ("min_p", _NUM), "max_tokens": ("max_tokens", int), "min_tokens": ("min_tokens", int),
+    "n": ("n", int), "best_of": ("best_of", int), "seed": ("seed", int),
+    "repetition_penalty": ("repetition_penalty", _NUM), "frequency_penalty": ("frequency_penalty", _NUM),
+    "presence_penalty": ("presence_penalty", _NUM), "logit_bias": ("logit_bias", dict),
+    "allowed_token_ids": ("allowed_token_ids", list), "bad_words": ("bad_words", list),
     "stop_token_ids": ("stop_token_ids", list), "ignore_eos": ("ignore_eos", bool),
+    "include_stop_str_in_output": ("include_stop_str_in_output", bool),
+    "skip_special_tokens": ("skip_special_tokens", bool),
+    "spaces_between_special_tokens": ("spaces_between_special_tokens", bool),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens", int), "prompt_logprobs": ("prompt_logprobs", int),
 }
-# Fields we accept only at their neutral value.
+# Fields honoured elsewhere in parsing (not SamplingParams fields), or that carry no instruction (user: an
+# end-user id for the provider's records; model: checked against the served names).
+OTHER_FIELDS = {"model", "prompt", "messages", "stream", "stream_options", "stop", "cache_salt", "logprobs",
+                "top_logprobs", "echo", "max_completion_tokens", "return_token_ids", "return_tokens_as_token_ids",
+                "kv_transfer_params", "add_special_tokens", "chat_template", "chat_template_kwargs",
+                "add_generation_prompt", "continue_final_message", "user"}
+# Fields accepted only at their neutral values: anything else is refused with a 400 that names the field.
 UNSUPPORTED_UNLESS = {
-    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+    "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "function_call": (None, "none"), "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "priority": (None, 0),
+    "logits_processors": (None, []), "vllm_xargs": (None, {}), "prompt_embeds": (None,), "documents": (None, []),
+    "mm_processor_kwargs": (None, {}), "request_id": (None,), "reasoning_effort": (None,), "prediction": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,), "metadata": (None,),
+    "store": (None, False), "service_tier": (None, "auto", "default"), "verbosity": (None,),
 }
 
 
@@ -60,7 +83,7 @@ def _check_type(name: str, value, types):
     if isinstance(value, bool) and types is not bool:
         raise APIError(f"'{name}' must be a number, got {value!r}", param=name)
     if not isinstance(value, types):
-        expected = {bool: "a boolean", int: "an integer", list: "a list"}.get(types, "a number")
+        expected = {bool: "a boolean", int: "an integer", list: "a list", dict: "an object"}.get(types, "a number")
         raise APIError(f"'{name}' must be {expected}, got {value!r}", param=name)
     if isinstance(value, float) and not math.isfinite(value):
         raise APIError(f"'{name}' must be finite, got {value!r}", param=name)
@@ -77,6 +100,15 @@ class GenerationRequest:
     kv_transfer_params: dict | None = None   # disaggregated prefill/decode (vLLM's field; mtpserve/disagg/)
     prompts: list = field(default_factory=list)   # completions: each a str or a list of token ids
     messages: list = field(default_factory=list)  # chat: [{"role", "content": str}]
+    echo: bool = False                  # completions: the prompt before the completion (with its logprobs)
+    echo_only: bool = False             # echo with max_tokens 0: score the prompt, generate nothing
+    continuous_usage_stats: bool = False   # streaming: usage in every chunk
+    tokens_as_ids: bool = False         # return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    add_special_tokens: bool | None = None   # None: completions True, chat False
+    chat_template: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def parse_sampling(body: dict, chat: bool) -> dict:
@@ -117,13 +149,29 @@ def parse_sampling(body: dict, chat: bool) -> dict:
         if not isinstance(salt, str) or not salt:
             raise APIError(f"'cache_salt' must be a non-empty string, got {salt!r}", param="cache_salt")
         out["cache_salt"] = check_text("cache_salt", salt)
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != out.get("n", 1):
-        raise APIError("'best_of' is not supported (only best_of == n)", param="best_of")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        param = "logprobs" if logprobs not in (None, False) else "top_logprobs"
-        raise APIError(f"'{param}' is not supported", param=param)
+    if isinstance(out.get("logit_bias"), dict):   # JSON object keys are strings: {"50256": -100}
+        try:
+            out["logit_bias"] = {int(t): b for t, b in out["logit_bias"].items()}
+        except ValueError:
+            raise APIError("'logit_bias' keys must be token ids", param="logit_bias")
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:   # logprobs: a boolean; top_logprobs: how many
+        _check_type("logprobs", logprobs if logprobs is not None else False, bool)
+        if top is not None:
+            _check_type("top_logprobs", top, int)
+            if not logprobs:
+                raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if logprobs:
+            out["logprobs"] = top or 0
+    else:
+        if top is not None:
+            raise APIError("'top_logprobs' is a chat field; completions take 'logprobs': N", param="top_logprobs")
+        if logprobs is not None:
+            _check_type("logprobs", logprobs, int)
+            out["logprobs"] = logprobs
+    if "logprobs" in out and not 0 <= out["logprobs"] <= MAX_LOGPROBS:
+        raise APIError(f"'{'top_logprobs' if chat else 'logprobs'}' must be in [0, {MAX_LOGPROBS}]",
+                       param="top_logprobs" if chat else "logprobs")
     for name, neutral in UNSUPPORTED_UNLESS.items():
         if name in body and body[name] not in neutral:
             raise APIError(f"'{name}' is not supported", param=name)
@@ -147,9 +195,37 @@ def _parse_common(body, chat: bool) -> GenerationRequest:
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise APIError("'kv_transfer_params' must be an object", param="kv_transfer_params")
-    return GenerationRequest(model=model, sampling=parse_sampling(body, chat), stream=stream,
-                             include_usage=include_usage, return_token_ids=bool(body.get("return_token_ids")),
-                             kv_transfer_params=kv)
+    flags = {}
+    for name, types in (("return_token_ids", bool), ("return_tokens_as_token_ids", bool), ("echo", bool),
+                        ("add_special_tokens", bool), ("add_generation_prompt", bool),
+                        ("continue_final_message", bool), ("chat_template", str), ("chat_template_kwargs", dict)):
+        if body.get(name) is not None:
+            _check_type(name, body[name], types)
+            flags[name] = body[name]
+    chat_only = [n for n in ("chat_template", "chat_template_kwargs", "add_generation_prompt",
+                             "continue_final_message") if n in flags]
+    if chat_only and not chat:
+        raise APIError(f"'{chat_only[0]}' is a chat field", param=chat_only[0])
+    if chat and flags.get("echo"):
+        raise APIError("'echo' is not supported on /v1/chat/completions", param="echo")
+    if flags.get("continue_final_message") and flags.get("add_generation_prompt", True):
+        raise APIError("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
+    sampling = parse_sampling(body, chat)
+    echo_only = bool(flags.get("echo")) and sampling.get("max_tokens") == 0
+    if echo_only:   # generate one token, returned to nobody: the prompt's logprobs need a step
+        sampling["max_tokens"] = 1
+    if sampling.get("best_of", 1) > sampling.get("n", 1) and stream:
+        raise APIError("'best_of' > 'n' cannot be streamed (the best are known only at the end)", param="best_of")
+    return GenerationRequest(model=model, sampling=sampling, stream=stream,
+                             include_usage=include_usage, return_token_ids=flags.get("return_token_ids", False),
+                             kv_transfer_params=kv, echo=flags.get("echo", False), echo_only=echo_only,
+                             continuous_usage_stats=bool((opts or {}).get("continuous_usage_stats", False)),
+                             tokens_as_ids=flags.get("return_tokens_as_token_ids", False),
+                             add_special_tokens=flags.get("add_special_tokens"),
+                             chat_template=flags.get("chat_template"),
+                             chat_template_kwargs=flags.get("chat_template_kwargs", {}),
+                             add_generation_prompt=flags.get("add_generation_prompt", True),
+                             continue_final_message=flags.get("continue_final_message", False))
 
 
 def _is_token_ids(x) -> bool:
@@ -168,7 +244,7 @@ def parse_completion_request(body) -> GenerationRequest:
                        "lists of token ids, and not empty", param="prompt")
     if any(len(p) == 0 for p in prompts):
         raise APIError("'prompt' must not be empty", param="prompt")
-    n = req.sampling.get("n", 1)
+    n = max(req.sampling.get("n", 1), req.sampling.get("best_of", 1))
     if len(prompts) * n > MAX_SEQUENCES_PER_REQUEST:
         raise APIError(f"{len(prompts)} prompts x n = {n} completions: at most {MAX_SEQUENCES_PER_REQUEST} per "
                        "request", param="prompt" if len(prompts) > 1 else "n")
@@ -214,19 +290,50 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_choice(index: int, text: str, finish_reason, token_ids=None) -> dict:
-    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason, token_ids=None, logprobs=None) -> dict:
+    c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = list(token_ids)
     return c
 
 
-def chat_choice(index: int, text: str, finish_reason, token_ids=None) -> dict:
-    c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, finish_reason, token_ids=None, logprobs=None) -> dict:
+    c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
          "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = list(token_ids)
     return c
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)   # (JSON has no -inf; vLLM's convention)
+
+
+def completion_logprobs(token_ids: list[int], entries: list, token_text, offset: int = 0) -> dict:
+    """OpenAI's completions logprobs: entries[i] is {token: Logprob} for token_ids[i], or None (the first
+    prompt token). offset: text_offset of the first token."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, entry in zip(token_ids, entries):
+        text = token_text(t)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(None if entry is None else _finite(entry[t].logprob))
+        out["top_logprobs"].append(None if entry is None else
+                                   {token_text(i): _finite(lp.logprob) for i, lp in entry.items()})
+    return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list, token_text, top_n: int) -> dict:
+    """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the top_n most likely."""
+    def item(t, lp):
+        text = token_text(t)
+        return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
+    content = []
+    for t, entry in zip(token_ids, entries):
+        top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top_n]
+        content.append(item(t, entry[t]) | {"top_logprobs": [item(i, lp) for i, lp in top]})
+    return {"content": content, "refusal": None}
 
 
 def completion_response(rid: str, model: str, choices: list, use: dict, chat: bool) -> dict:
@@ -235,12 +342,12 @@ def completion_response(rid: str, model: str, choices: list, use: dict, chat: bo
 
 
 def stream_chunk(rid: str, model: str, created: int, chat: bool, index: int, text: str | None,
-                 finish_reason=None, role: bool = False, token_ids=None) -> dict:
+                 finish_reason=None, role: bool = False, token_ids=None, logprobs=None) -> dict:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
