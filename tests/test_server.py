@@ -436,3 +436,115 @@ def test_serve_leaves_a_core_to_the_http_server(monkeypatch):
         args = add_serve_args(argparse.ArgumentParser()).parse_args(argv)
         check_serve_args(args)
         assert args.cpu_threads == want, (cores, argv)
+
+
+# ---- logprobs, echo and every vLLM request field (the server runs MTP; the reference runs without) ----
+
+def offline_scores(ckpt, prompt: str, max_tokens: int, n: int):
+    """The offline engine's output without speculation."""
+    from mtpserve import LLM
+    llm = LLM(ckpt, max_model_len=MAX_MODEL_LEN, num_kv_blocks=96)
+    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=n, ignore_eos=True,
+                                                 prompt_logprobs=n), use_tqdm=False)[0]
+
+
+def test_echo_logprobs_equal_the_engine_without_speculation(ckpt, server, client):
+    ref = offline_scores(ckpt, PROMPTS[1], 6, 3)
+    prompt_ids, output_ids, prompt_lps, output_lps = (ref.prompt_token_ids, ref.outputs[0].token_ids,
+                                                      ref.prompt_logprobs, ref.outputs[0].logprobs)
+    res = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3,
+                                    echo=True, extra_body={"ignore_eos": True})
+    lp = res.choices[0].logprobs
+    tok = ckpt_tokenizer(ckpt)
+    assert res.choices[0].text == PROMPTS[1] + ref.outputs[0].text
+    assert lp.tokens == [tok.decode([t]) for t in prompt_ids + output_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [e[t].logprob for e, t in zip(prompt_lps[1:] + output_lps, prompt_ids[1:] + output_ids)]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected, strict=True)) < 1e-5
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(max(top.values()) >= lp.token_logprobs[i + 1] for i, top in   # (byte tokens may share a text)
+               enumerate(lp.top_logprobs[1:]))
+    # max_tokens 0 with echo scores the prompt (lm-evaluation-harness' loglikelihood requests)
+    scored = client.completions.create(model="tiny", prompt=[prompt_ids], max_tokens=0, temperature=0, logprobs=1,
+                                       echo=True)
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(prompt_ids)]
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].text == tok.decode(prompt_ids)
+    # streamed: the same tokens and logprobs, chunk by chunk
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                            logprobs=3, echo=True, stream=True, extra_body={"ignore_eos": True}))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks if c.choices[0].logprobs), []) == \
+        lp.token_logprobs
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks if c.choices[0].logprobs), []) == lp.text_offset
+    wait_idle(server)
+
+
+def ckpt_tokenizer(ckpt):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+def test_chat_logprobs_and_processors(client):
+    messages = [{"role": "user", "content": "hello"}]
+    res = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=2, extra_body={"ignore_eos": True})
+    content = res.choices[0].logprobs.content
+    assert len(content) == res.usage.completion_tokens == 8
+    assert "".join(c.token for c in content) == res.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode())
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob and c.logprob <= c.top_logprobs[0].logprob
+    plain = client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = plain.choices[0].token_ids
+    banned = client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                   "allowed_token_ids": sorted(set(ids[1:]))})
+    assert banned.choices[0].token_ids[0] != ids[0] and set(banned.choices[0].token_ids) <= set(ids[1:])
+    penalised = client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    got = penalised.choices[0].token_ids
+    assert len(got) == 12 and (len(set(got)) > len(set(ids)) or len(set(ids)) == 12)
+    biased = client.completions.create(model="tiny", prompt="hello world", max_tokens=4, temperature=0,
+                                       logit_bias={"40": 100}, extra_body={"ignore_eos": True,
+                                                                            "return_token_ids": True})
+    assert biased.choices[0].token_ids == [40] * 4
+
+
+# vLLM's completion and chat request fields (its protocol.py, 2026): each is honoured, or refused by name when
+# it asks for something.
+VLLM_FIELDS = {
+    "model": None, "prompt": None, "messages": None, "best_of": None, "echo": None, "frequency_penalty": None,
+    "logit_bias": None, "logprobs": None, "top_logprobs": None, "max_tokens": None, "max_completion_tokens": None,
+    "n": None, "presence_penalty": None, "seed": None, "stop": None, "stream": None, "stream_options": None,
+    "suffix": "def", "temperature": None, "top_p": None, "user": None, "use_beam_search": True, "top_k": None,
+    "min_p": None, "repetition_penalty": None, "length_penalty": 0.5, "stop_token_ids": None,
+    "include_stop_str_in_output": None, "ignore_eos": None, "min_tokens": None, "skip_special_tokens": None,
+    "spaces_between_special_tokens": None, "truncate_prompt_tokens": None, "allowed_token_ids": None,
+    "prompt_logprobs": None, "add_special_tokens": None, "response_format": {"type": "json_object"},
+    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ", "priority": 1, "request_id": "r1", "logits_processors": ["x"],
+    "return_tokens_as_token_ids": None, "return_token_ids": None, "cache_salt": None, "kv_transfer_params": None,
+    "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA", "bad_words": None, "tools": [{"type": "function"}],
+    "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+    "reasoning_effort": "low", "add_generation_prompt": None, "continue_final_message": None,
+    "documents": [{"t": "x"}], "chat_template": None, "chat_template_kwargs": None, "mm_processor_kwargs": {"a": 1},
+    "metadata": {"a": "b"}, "store": True, "modalities": ["audio"], "audio": {"voice": "x"},
+    "prediction": {"type": "content"}, "web_search_options": {}, "service_tier": "flex",
+}
+
+
+def test_every_vllm_field_is_honoured_or_refused_by_name(server):
+    from mtpserve.serve import protocol
+    handled = set(protocol.SAMPLING_FIELDS) | protocol.OTHER_FIELDS
+    for name, asking in VLLM_FIELDS.items():
+        if asking is None:
+            assert name in handled, name
+            continue
+        assert name in protocol.UNSUPPORTED_UNLESS, name
+        chat = name in ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "documents")
+        body = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+        r = httpx.post(server + ("/v1/chat/completions" if chat else "/v1/completions"), headers=AUTH, timeout=30,
+                       json={**body, "max_tokens": 1, name: asking})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)

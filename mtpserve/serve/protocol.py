@@ -319,8 +319,12 @@ def completion_logprobs(token_ids: list[int], entries: list, token_text, offset:
         out["text_offset"].append(offset)
         offset += len(text)
         out["token_logprobs"].append(None if entry is None else _finite(entry[t].logprob))
-        out["top_logprobs"].append(None if entry is None else
-                                   {token_text(i): _finite(lp.logprob) for i, lp in entry.items()})
+        top = None
+        if entry is not None:   # (tokens with one text, e.g. partial UTF-8 bytes: the scored one's, then the likeliest)
+            top = {}
+            for i, lp in entry.items():
+                top.setdefault(token_text(i), _finite(lp.logprob))
+        out["top_logprobs"].append(top)
     return out
 
 
