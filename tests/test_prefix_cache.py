@@ -154,4 +154,14 @@ def test_graph_mode_hits_give_eager_tokens(tmp_path):
     for _ in range(2):
         assert outputs(graph, prompts(), GREEDY) == outputs(eager, prompts(), GREEDY)
     assert graph.get_metrics()["prefix_cache_hits"] > 0 and graph.engine.runner.pass_counts["fused"] > 0
+    # requests that read logits (logprobs, processors) take the separate path, its graphs too: same logprobs
+    scored = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, repetition_penalty=1.3)
+    fused = graph.engine.runner.pass_counts["fused"]
+    ours, theirs = (llm.generate(prompt_token_ids=prompts(), sampling_params=scored, use_tqdm=False)
+                    for llm in (graph, eager))
+    assert graph.engine.runner.pass_counts["fused"] == fused
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 and list(x) == list(y)
+                   for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids))
     assert_no_leak(graph)

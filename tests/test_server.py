@@ -548,3 +548,55 @@ def test_every_vllm_field_is_honoured_or_refused_by_name(server):
         r = httpx.post(server + ("/v1/chat/completions" if chat else "/v1/completions"), headers=AUTH, timeout=30,
                        json={**body, "max_tokens": 1, name: asking})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+
+
+LM_EVAL_TASK = """task: mtp_tiny_{kind}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {output_type}
+doc_to_text: "{{{{question}}}}"
+doc_to_target: {target}
+{extra}
+metric_list:
+  - metric: {metric}
+"""
+
+
+def test_lm_evaluation_harness_scores_through_the_server(ckpt, server, tmp_path, monkeypatch):
+    """lm-evaluation-harness' local-completions client: a multiple-choice task (loglikelihoods from echoed
+    prompt logprobs) and a generate_until task, defined here over local JSONL; its loglikelihoods equal the
+    offline engine's own prompt logprobs without speculation."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    from mtpserve import LLM
+    docs = [{"question": q, "choices": [" world", " there", " fox"], "answer": i % 3}
+            for i, q in enumerate(["hello", "The quick brown", "def fib(n):", "this is a tiny"])]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for kind, output_type, target, extra, metric in (
+            ("mc", "multiple_choice", "answer", 'doc_to_choice: "{{choices}}"', "acc"),
+            ("gen", "generate_until", '"{{choices[0]}}"', "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 4",
+             "exact_match")):
+        (tmp_path / f"{kind}.yaml").write_text(LM_EVAL_TASK.format(kind=kind, data=data, output_type=output_type,
+                                                                   target=target, extra=extra, metric=metric))
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["mtp_tiny_mc", "mtp_tiny_gen"], log_samples=True,
+        model_args=f"model=tiny,base_url={server}/v1/completions,tokenizer_backend=huggingface,tokenizer={ckpt},"
+                   f"num_concurrent=1,max_retries=1",
+        task_manager=TaskManager(include_path=str(tmp_path)), limit=len(docs))
+    assert 0.0 <= results["results"]["mtp_tiny_mc"]["acc,none"] <= 1.0
+    assert len(results["samples"]["mtp_tiny_gen"]) == len(docs)
+    tok = ckpt_tokenizer(ckpt)
+    llm = LLM(ckpt, max_model_len=MAX_MODEL_LEN, num_kv_blocks=96)
+    for sample in results["samples"]["mtp_tiny_mc"]:
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
+            ctx, cont = tok.encode(context), tok.encode(continuation)
+            out = llm.generate(prompt_token_ids=[ctx + cont], sampling_params=SamplingParams(
+                temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            expected = sum(out.prompt_logprobs[len(ctx) + j][t].logprob for j, t in enumerate(cont))
+            assert resp[0][0] == pytest.approx(expected, abs=1e-4)
+    wait_idle(server)
