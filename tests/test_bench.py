@@ -148,6 +148,15 @@ def test_bench_adaptive(ckpt, tmp_path, lockstep):
         assert row["outputs_match_no_mtp"] and sum(row["adaptive_k_steps"]) > 0 and row["adaptive_vs_no_mtp"] > 0
 
 
+def test_bench_sampling(ckpt, tmp_path):
+    rec = run_cli(["bench", "sampling", "--model", ckpt, "--k", "1", "--batch-sizes", "1,2", "--input-len", "5",
+                   "--output-len", "5", "--num-iters", "1"], tmp_path / "sampling.json")
+    rows = rec["results"]["rows"]
+    assert {(r["batch_size"], r["fields"], r["engine"]) for r in rows} == {
+        (b, f, e) for b in (1, 2) for f in ("none", "logprobs5", "penalties") for e in ("no_mtp", "mtp_k1")}
+    assert all(r["same_tokens_as_no_mtp"] and r["tpot_ms"] > 0 for r in rows)
+
+
 def test_bench_overlap(ckpt, tmp_path):
     rec = run_cli(["bench", "overlap", "--model", ckpt, "--modes", "eager", "--ks", "0,1", "--batch-sizes", "1,2",
                    "--input-len", "5", "--output-len", "5", "--num-iters", "1"], tmp_path / "overlap.json")

@@ -24,8 +24,8 @@ from mtpserve.executor.multiproc import WorkerFailedError
 from mtpserve.model.checkpoint import tiny_config, write_random_checkpoint
 from mtpserve.model.loader import LoadStats, load_model
 from mtpserve.model.parallel import ExpertParallel
-from rank_processes import (STARTED, count_graph_runs, end_workers, record_workers, reference,  # noqa: F401
-                             watchdog)
+from rank_processes import (STARTED, assert_same_scores, count_graph_runs, end_workers, record_workers,  # noqa: F401
+                             reference, scored_outputs, watchdog)
 from tiny_models import trained_checkpoint
 
 
@@ -85,6 +85,7 @@ def test_dp2_ep2_matches_one_process_with_requests_on_both_ranks(ckpt, kw):
             two.engine.add_request("placed", None, long + [5], GREEDY)
             assert two.engine.requests["placed"].dp_rank == 1
             two.engine.abort_request("placed")
+            assert_same_scores(scored_outputs(two, PROMPTS), scored_outputs(reference(ckpt, **kw), PROMPTS))
     finally:
         two.engine.shutdown()
     assert tokens_two == tokens_one and all(len(t) == 40 for t in tokens_two)

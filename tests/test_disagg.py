@@ -173,3 +173,34 @@ def test_scheme2_without_padding_equals_single_engine(ckpt):
         assert not decode_engine.requests[str(i)].placeholder_drafts
     assert run_to_end(decode_engine) == want
     assert decode_engine.num_padded_handoff_steps == 0
+
+
+def test_prefix_cache_on_both_sides_of_a_handoff(ckpt):
+    """A prefill engine serves a repeated prompt from its cache (the same hand-off); a decode engine caches the
+    blocks it pulled, so the next turn that shares the prompt hits them; the tokens are a single engine's
+    without the cache."""
+    import torch
+    spec = {"num_speculative_tokens": 2, "adaptive": False}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = pattern_batch(torch.Generator().manual_seed(1), 1, 40)[0].tolist()
+    next_turn = prompt + [7, 8, 9]
+    single = LLMEngine.from_kwargs(ckpt, spec, enable_prefix_caching=False, block_size=4)
+    single.add_request("a", None, prompt, params)
+    want = run_to_end(single)
+    single.add_request("b", None, next_turn, params)
+    want.update(run_to_end(single))
+    prefill_engine = LLMEngine.from_kwargs(ckpt, spec, block_size=4)
+    decode_engine = LLMEngine.from_kwargs(ckpt, spec, block_size=4)
+    first = prefill(prefill_engine, "a", None, prompt, params)
+    second = prefill(prefill_engine, "a", None, prompt, params)
+    assert prefill_engine.block_manager.num_hits >= 32   # the repeated prompt: all but its last block hit
+    assert second.draft_token_ids == first.draft_token_ids and second.output_token_ids == first.output_token_ids
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(first.kv, second.kv, strict=True))
+    add_prefilled(decode_engine, second)
+    got = run_to_end(decode_engine)
+    decode_engine.add_request("b", None, next_turn, params)
+    got.update(run_to_end(decode_engine))
+    assert decode_engine.block_manager.num_hits >= 32 and got == want
+    for engine in (prefill_engine, decode_engine):
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks

@@ -25,7 +25,7 @@ from mtpserve.model.checkpoint import write_random_checkpoint
 from mtpserve.model.loader import LoadStats, load_model, quantize_fp8_blockwise
 from mtpserve.model.parallel import TensorParallel, shard_kind, shard_slices
 from mtpserve.spec_decode import adaptive
-from rank_processes import (STARTED, count_graph_runs, end_workers, record_workers, reference,  # noqa: F401
+from rank_processes import (STARTED, assert_same_scores, scored_outputs, count_graph_runs, end_workers, record_workers, reference,  # noqa: F401
                              watchdog)
 from test_adaptive import forcing
 from tiny_models import trained_checkpoint
@@ -74,12 +74,15 @@ def test_tp2_matches_one_process(ckpt, kw, monkeypatch):
     def force_k():   # (plan_drafts runs on the front only; the workers get each step's k with its batch)
         monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 1, 0, 0, 3, 2]))
     force_k()
-    tokens_one, metrics_one = run(reference(ckpt, **kw), MIXED)
+    one = reference(ckpt, **kw)
+    tokens_one, metrics_one = run(one, MIXED)
     force_k()
     two = tensor_parallel(ckpt, **kw)
     try:
         preempted = count_preemptions(two)
         tokens_two, metrics_two = run(two, MIXED)
+        if kw.get("num_kv_blocks") and not kw["speculative_config"].get("adaptive"):   # logprobs, processors
+            assert_same_scores(scored_outputs(two, PROMPTS), scored_outputs(one, PROMPTS))
         if kw.get("num_kv_blocks") and not kw["speculative_config"].get("adaptive"):   # prefix-cache hits on
             hits = two.engine.block_manager.num_hits                                  # every rank alike
             again = run(two, MIXED)[0]   # (the unseeded sampler draws anew)

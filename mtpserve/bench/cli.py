@@ -50,6 +50,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     fu.add_argument("--batch-sizes", default="1,8", help="comma list")
     fu.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: seeded sampling requests (the same tokens with and without MTP) instead of greedy")
+    sa = sub.add_parser("sampling", help="sampling fields (logprobs, penalties) with and without MTP, side by side")
+    _common(sa)
+    sa.add_argument("--k", type=int, default=2)
+    sa.add_argument("--batch-sizes", default="1,32", help="comma list")
     px = sub.add_parser("prefix", help="the prefix cache on vs off: a shared system prompt, multi-turn chat, and "
                                        "prompts sharing nothing, MTP on")
     _common(px, 32, 64)
@@ -177,6 +181,14 @@ def _prefix(args, path: str) -> dict:
     res = prefix.run_prefix(path, args.num_prompts, args.system_len, args.input_len, args.output_len, args.turns,
                             args.conversations, args.num_iters, args.k, args.dtype)
     print("\n".join(prefix.table(res)))
+    return res
+
+
+def _sampling(args, path: str) -> dict:
+    from mtpserve.bench import sampling
+    res = sampling.run_sampling(path, args.k, common.parse_list(args.batch_sizes), args.input_len, args.output_len,
+                                args.num_iters, args.enforce_eager, args.dtype)
+    print("\n".join(sampling.table(res)))
     return res
 
 

@@ -51,9 +51,11 @@ def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, en
     return engine
 
 
-def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b", temperature: float = 0.0) -> dict:
+def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b", temperature: float = 0.0,
+              fields: dict | None = None) -> dict:
     """Runs `prompts` as one batch to completion; -> per-request metrics, totals, spec counters, tokens.
-    temperature > 0: sampling, request i seeded with i (the same tokens in every engine)."""
+    temperature > 0: sampling, request i seeded with i (the same tokens in every engine). fields: more
+    SamplingParams fields for every request (logprobs, penalties, ...)."""
     from mtpserve.spec_decode.metrics import SpecDecodeMetrics
     if engine.spec_metrics is not None:
         engine.spec_metrics = SpecDecodeMetrics(engine.spec_metrics.num_speculative_tokens)
@@ -61,7 +63,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b",
     start = time.perf_counter()
     for i, (rid, p) in enumerate(zip(ids, prompts)):
         params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
-                                seed=i if temperature > 0 else None)
+                                seed=i if temperature > 0 else None, **(fields or {}))
         engine.add_request(rid, None, p, params)
     emissions = {rid: [] for rid in ids}
     tokens, num_steps = {}, 0

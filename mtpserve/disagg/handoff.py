@@ -94,7 +94,11 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     if len(h.kv) != len(engine.runner.kv_caches):
         raise ValueError(f"handoff: {len(h.kv)} KV caches, this engine has {len(engine.runner.kv_caches)}")
     rid = request_id or h.request_id
-    engine.add_request(rid, h.prompt, h.prompt_token_ids, params or h.params)
+    p = params or h.params
+    for name in ("logprobs", "prompt_logprobs"):   # (the hand-off carries tokens and KV, not scores)
+        if getattr(p, name) is not None:
+            raise ValueError(f"{name}: not supported with a prefill/decode hand-off")
+    engine.add_request(rid, h.prompt, h.prompt_token_ids, p)
     req: Request = engine.requests[rid]
     if len(h.output_token_ids) >= req.max_tokens:
         engine.abort_request(rid)

@@ -21,8 +21,11 @@ class Disaggregated:
 async def prepare(connector: KVConnector | None, kv: dict, req, prompts: list, params: list, make_params) -> Disaggregated:
     if connector is None:
         raise APIError(f"'{FIELD}': this server was started without --kv-transfer-config", param=FIELD)
-    if len(prompts) != 1 or params[0].n != 1:
-        raise APIError(f"'{FIELD}': a disaggregated request has one prompt and n = 1", param=FIELD)
+    if len(prompts) != 1 or params[0].n != 1 or (params[0].best_of or 1) > 1:
+        raise APIError(f"'{FIELD}': a disaggregated request has one prompt and n = best_of = 1", param=FIELD)
+    for name in ("logprobs", "prompt_logprobs"):   # (the hand-off carries tokens and KV, not scores)
+        if getattr(params[0], name) is not None:
+            raise APIError(f"'{name}' is not supported with '{FIELD}' (disaggregated serving)", param=name)
     if kv.get("do_remote_decode"):
         if not connector.config.produces:
             raise APIError(f"'{FIELD}': do_remote_decode, but this server's kv_role is "

@@ -25,8 +25,8 @@ def prefill(engine: LLMEngine, request_id: str, prompt: str | None, prompt_token
             params: SamplingParams, scheme: str = "drafts") -> Handoff:
     """Runs `request_id` on the prefill engine until it has its first token, then exports and frees it."""
     single_process(engine)
-    if params.n != 1:
-        raise ValueError("n: disaggregated prefill hands over one sequence per request; use n = 1")
+    if params.n != 1 or (params.best_of or 1) > 1:
+        raise ValueError("n: disaggregated prefill hands over one sequence per request; use n = best_of = 1")
     engine.add_request(request_id, prompt, prompt_token_ids, params, hold_kv=True)
     req = engine.requests[request_id]
     while not req.output_token_ids and not req.is_finished:

@@ -18,7 +18,11 @@ _FIELD_NAMES = sorted(list(protocol.SAMPLING_FIELDS) + ["stop", "prompt_token_id
 
 
 def guess_param(message: str, default: str | None = None) -> str | None:
-    """The request field an engine/SamplingParams error message names ('temperature = -1: ...')."""
+    """The request field an engine/SamplingParams error message names ('temperature = -1: ...'): the one it
+    starts with, else the longest it mentions."""
+    first = re.match(r"\w+", message)
+    if first and first.group(0) in _FIELD_NAMES:
+        return "prompt" if first.group(0) == "prompt_token_ids" else first.group(0)
     for name in _FIELD_NAMES:
         if re.search(rf"\b{name}\b", message):
             return "prompt" if name == "prompt_token_ids" else name

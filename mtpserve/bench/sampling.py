@@ -1,0 +1,58 @@
+"""`mtpserve bench sampling`: what sampling fields cost, with and without MTP, side by side: the same engines run
+the same prompts with no fields, with logprobs (5 top) and with penalties (repetition 1.1, frequency and
+presence 0.2), iterations interleaved round-robin. Per batch size, field set and engine: TPOT, its ratio to the
+same engine with no fields, MTP's speedup over no MTP with the same fields, acceptance, and whether the tokens
+equal no MTP's (greedy: they must)."""
+from mtpserve.bench import common
+from mtpserve.bench.latency import build_engine, run_batch
+
+FIELD_SETS = {"none": {}, "logprobs5": {"logprobs": 5},
+              "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.2}}
+
+
+def run_sampling(model: str, k: int, batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
+                 enforce_eager: bool | None, dtype: str = "auto", log=print) -> dict:
+    specs = {"no_mtp": None, f"mtp_k{k}": {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}}
+    engines = {name: build_engine(model, spec, max(batch_sizes), input_len + output_len, enforce_eager, dtype,
+                                  graph_batch_sizes=batch_sizes) for name, spec in specs.items()}
+    first = next(iter(engines.values()))
+    prompts = common.make_prompts(max(batch_sizes) * num_iters, input_len, first.model_config.vocab_size,
+                                  first.tokenizer)
+    for eng in engines.values():
+        run_batch(eng, prompts[:2], min(8, output_len), tag="w")
+    runs = {}
+    for it in range(num_iters):
+        for bs in batch_sizes:
+            for fields_name, fields in FIELD_SETS.items():
+                for name, eng in engines.items():
+                    r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, f"i{it}b{bs}{fields_name}",
+                                  fields=fields)
+                    runs.setdefault((bs, fields_name, name), []).append(r)
+                    log(f"  iter {it} batch {bs:3d} {fields_name:10s} {name:8s} {r['duration']:.3f}s")
+    rows = []
+    for bs in batch_sizes:
+        for fields_name in FIELD_SETS:
+            for name in engines:
+                rs = runs[(bs, fields_name, name)]
+                tpot = common.mean(x["tpot"] for r in rs for x in r["per_request"])
+                drafts = sum(r["spec"]["num_draft_tokens"] for r in rs)
+                rows.append(dict(batch_size=bs, fields=fields_name, engine=name, tpot_ms=1e3 * tpot,
+                                 acceptance_rate=sum(r["spec"]["num_accepted_tokens"] for r in rs) / drafts
+                                 if drafts else None,
+                                 same_tokens_as_no_mtp=[r["tokens"] for r in rs] ==
+                                 [r["tokens"] for r in runs[(bs, fields_name, "no_mtp")]]))
+    by_key = {(r["batch_size"], r["fields"], r["engine"]): r for r in rows}
+    for r in rows:
+        r["vs_no_fields"] = r["tpot_ms"] / by_key[(r["batch_size"], "none", r["engine"])]["tpot_ms"]
+        r["mtp_speedup"] = by_key[(r["batch_size"], r["fields"], "no_mtp")]["tpot_ms"] / r["tpot_ms"]
+    return dict(k=k, fields=FIELD_SETS, rows=rows, enforce_eager=enforce_eager)
+
+
+def table(res: dict) -> list[str]:
+    out = ["| batch | fields | engine | TPOT ms | TPOT vs no fields | speedup vs no MTP | acceptance | same tokens |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+        out.append(f"| {r['batch_size']} | {r['fields']} | {r['engine']} | {r['tpot_ms']:.2f} | "
+                   f"{r['vs_no_fields']:.2f}x | {r['mtp_speedup']:.2f}x | {acc} | {r['same_tokens_as_no_mtp']} |")
+    return out
