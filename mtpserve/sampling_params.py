@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass, field
 
+from mtpserve.sampling.grammar import StructuredOutputsParams
+
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 
 
@@ -39,17 +41,21 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last this many tokens
+    structured_outputs: StructuredOutputsParams | dict | None = None   # a grammar the output follows
     cache_salt: str | None = None         # prefix-cache blocks are shared only between requests of one salt
     # set by the engine when the request is added (validation.prepare_params), not by callers:
     all_stop_token_ids: frozenset = field(default=frozenset(), repr=False)   # min_tokens masks these
     bad_words_token_ids: list = field(default_factory=list, repr=False)      # bad_words, tokenised
     hidden_logprobs: bool = field(default=False, repr=False)   # computed only to rank best_of, not returned
+    compiled_grammar: object = field(default=None, repr=False, compare=False)   # structured_outputs, compiled
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     @property
@@ -61,7 +67,7 @@ class SamplingParams:
         """Some logits processor acts on this request's distributions (sampling/processors.py)."""
         return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
                     or self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
-                    or self.min_tokens or self.min_p)
+                    or self.min_tokens or self.min_p or self.structured_outputs is not None)
 
     @property
     def wants_logits(self) -> bool:
@@ -119,6 +125,8 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
                                                         or self.truncate_prompt_tokens < 1):
             bad("truncate_prompt_tokens", "must be a positive integer")
+        if self.structured_outputs is not None and self.ignore_eos:
+            bad("ignore_eos", "cannot be true with structured_outputs (the output ends where the grammar does)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             bad("cache_salt", "must be a non-empty string")
 

@@ -78,7 +78,7 @@ POISON = [   # (raw body, the field the 400 must name)
     ('{"prompt": "x", "seed": 18446744073709551616}', "seed"),
     ('{"prompt": "x", "temperature": 3}', "temperature"),
     ('{"prompt": "x", "logprobs": 50}', "logprobs"),
-    ('{"prompt": "x", "response_format": {"type": "json_object"}}', "response_format"),
+    ('{"prompt": "x", "response_format": {"type": "xml"}}', "response_format"),
     ('{"prompt": "x", "repetition_penalty": -1}', "repetition_penalty"),
     ('{"prompt": "x", "min_tokens": -1}', "min_tokens"),
 ]

@@ -131,8 +131,8 @@ def test_best_of_returns_the_most_likely_completions(engines):
 def test_prompt_logprobs_under_chunking_prefix_cache_and_preemption(trained, engines):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     base = generate(engines["off"], params)
-    small = LLM(trained, speculative_config=SPECS["k3"], block_size=4, num_kv_blocks=16, max_num_seqs=5,
-                max_num_batched_tokens=8)   # (prompts in chunks of at most 8 tokens)
+    small = LLM(trained, speculative_config=SPECS["k3"], block_size=4, num_kv_blocks=14, max_num_seqs=5,
+                max_num_batched_tokens=12)   # (prompts in chunks of at most 12 tokens)
     for _ in range(2):   # the second time the prompts are cached: prompt logprobs still come (no hit taken)
         outs = generate(small, params)
         for a, b in zip(base, outs):

@@ -521,9 +521,9 @@ VLLM_FIELDS = {
     "min_p": None, "repetition_penalty": None, "length_penalty": 0.5, "stop_token_ids": None,
     "include_stop_str_in_output": None, "ignore_eos": None, "min_tokens": None, "skip_special_tokens": None,
     "spaces_between_special_tokens": None, "truncate_prompt_tokens": None, "allowed_token_ids": None,
-    "prompt_logprobs": None, "add_special_tokens": None, "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
+    "prompt_logprobs": None, "add_special_tokens": None, "response_format": None,
+    "structured_outputs": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "priority": 1, "request_id": "r1", "logits_processors": ["x"],
     "return_tokens_as_token_ids": None, "return_token_ids": None, "cache_salt": None, "kv_transfer_params": None,
     "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA", "bad_words": None, "tools": [{"type": "function"}],
@@ -600,3 +600,29 @@ def test_lm_evaluation_harness_scores_through_the_server(ckpt, server, tmp_path,
             expected = sum(out.prompt_logprobs[len(ctx) + j][t].logprob for j, t in enumerate(cont))
             assert resp[0][0] == pytest.approx(expected, abs=1e-4)
     wait_idle(server)
+
+
+def test_structured_outputs_through_the_openai_client(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "enum": ["fib", "fox"]},
+                                               "ok": {"type": "boolean"}},
+              "required": ["name", "ok"], "additionalProperties": False}
+    res = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "answer in JSON"}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    import jsonschema
+    jsonschema.validate(json.loads(res.choices[0].message.content), schema)
+    assert res.choices[0].finish_reason == "stop"
+    regex = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "(yes|no)[0-9]"}})
+    assert re.fullmatch("(yes|no)[0-9]", regex.choices[0].text)
+    choice = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0.9, n=3, seed=1,
+                                       extra_body={"guided_choice": ["red", "green"]})
+    assert {c.text for c in choice.choices} <= {"red", "green"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "bad", "schema": {"type": "no-such-type"}}})
+    check_error(e, 400, "response_format")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"})
+    check_error(e, 400, "guided_regex")

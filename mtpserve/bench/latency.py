@@ -62,8 +62,8 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b",
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     start = time.perf_counter()
     for i, (rid, p) in enumerate(zip(ids, prompts)):
-        params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
-                                seed=i if temperature > 0 else None, **(fields or {}))
+        params = SamplingParams(**{"temperature": temperature, "max_tokens": output_len, "seed": i if temperature > 0
+                                   else None, "ignore_eos": "structured_outputs" not in (fields or {}), **(fields or {})})
         engine.add_request(rid, None, p, params)
     emissions = {rid: [] for rid in ids}
     tokens, num_steps = {}, 0

@@ -1,13 +1,18 @@
 """`mtpserve bench sampling`: what sampling fields cost, with and without MTP, side by side: the same engines run
-the same prompts with no fields, with logprobs (5 top) and with penalties (repetition 1.1, frequency and
-presence 0.2), iterations interleaved round-robin. Per batch size, field set and engine: TPOT, its ratio to the
+the same prompts with no fields, with logprobs (5 top), with penalties (repetition 1.1, frequency and
+presence 0.2) and with a JSON schema (structured outputs; such requests stop where the grammar ends),
+iterations interleaved round-robin. Per batch size, field set and engine: TPOT, its ratio to the
 same engine with no fields, MTP's speedup over no MTP with the same fields, acceptance, and whether the tokens
 equal no MTP's (greedy: they must)."""
 from mtpserve.bench import common
 from mtpserve.bench.latency import build_engine, run_batch
 
+FUNCTION_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "args": {"type": "array", "items": {"type": "string"}}, "returns": {"type": "string"}},
+    "required": ["name", "args", "returns"]}
 FIELD_SETS = {"none": {}, "logprobs5": {"logprobs": 5},
-              "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.2}}
+              "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.2},
+              "json_schema": {"structured_outputs": {"json": FUNCTION_SCHEMA}}}
 
 
 def run_sampling(model: str, k: int, batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
@@ -18,12 +23,15 @@ def run_sampling(model: str, k: int, batch_sizes: list[int], input_len: int, out
     first = next(iter(engines.values()))
     prompts = common.make_prompts(max(batch_sizes) * num_iters, input_len, first.model_config.vocab_size,
                                   first.tokenizer)
+    field_sets = {name: f for name, f in FIELD_SETS.items() if "structured_outputs" not in f or first.tokenizer}
+    if len(field_sets) < len(FIELD_SETS):
+        log("  (no tokenizer: the json_schema set is left out)")
     for eng in engines.values():
         run_batch(eng, prompts[:2], min(8, output_len), tag="w")
     runs = {}
     for it in range(num_iters):
         for bs in batch_sizes:
-            for fields_name, fields in FIELD_SETS.items():
+            for fields_name, fields in field_sets.items():
                 for name, eng in engines.items():
                     r = run_batch(eng, prompts[it * bs:(it + 1) * bs], output_len, f"i{it}b{bs}{fields_name}",
                                   fields=fields)
@@ -31,7 +39,7 @@ def run_sampling(model: str, k: int, batch_sizes: list[int], input_len: int, out
                     log(f"  iter {it} batch {bs:3d} {fields_name:10s} {name:8s} {r['duration']:.3f}s")
     rows = []
     for bs in batch_sizes:
-        for fields_name in FIELD_SETS:
+        for fields_name in field_sets:
             for name in engines:
                 rs = runs[(bs, fields_name, name)]
                 tpot = common.mean(x["tpot"] for r in rs for x in r["per_request"])
@@ -45,7 +53,7 @@ def run_sampling(model: str, k: int, batch_sizes: list[int], input_len: int, out
     for r in rows:
         r["vs_no_fields"] = r["tpot_ms"] / by_key[(r["batch_size"], "none", r["engine"])]["tpot_ms"]
         r["mtp_speedup"] = by_key[(r["batch_size"], r["fields"], "no_mtp")]["tpot_ms"] / r["tpot_ms"]
-    return dict(k=k, fields=FIELD_SETS, rows=rows, enforce_eager=enforce_eager)
+    return dict(k=k, fields=field_sets, rows=rows, enforce_eager=enforce_eager)
 
 
 def table(res: dict) -> list[str]:

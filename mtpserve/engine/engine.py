@@ -14,6 +14,7 @@ from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front, load_tokenizer
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
+from mtpserve.sampling.grammar import new_grammar_state
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.spec_decode import adaptive, calibration
 from mtpserve.spec_decode.metrics import SpecDecodeMetrics
@@ -60,6 +61,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
+        self.grammars = None   # structured outputs: the grammar compiler, made on first use (validation.py)
         self.children: dict[str, list[Request]] = {}
         self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
         # overlap: steps run on a model thread; the engine finishes one step's outputs (and the caller handles
@@ -122,7 +124,7 @@ class LLMEngine:
         for i in range(num_run):
             child_id = request_id if num_run == 1 else f"{request_id}#{i}"
             req = Request(child_id, prompt, list(token_ids), params, max_tokens, request_seed(params, i), i, request_id)
-            req.hold_kv = hold_kv
+            req.hold_kv, req.grammar = hold_kv, new_grammar_state(params.compiled_grammar)
             children.append(req)
             self.requests[child_id] = req
             if dp > 1:

@@ -56,6 +56,7 @@ class Request:
     mtp_prefix_hidden: torch.Tensor | None = None    # decode side: the MTP input hidden for the position before
     logprobs: list = field(default_factory=list)      # per output token {token: Logprob} (params.logprobs set)
     prompt_logprobs: list = field(default_factory=list)   # per prompt token: None, then {token: Logprob}
+    grammar: object = None                           # structured outputs: its GrammarState (sampling/grammar.py)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

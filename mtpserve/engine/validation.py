@@ -24,8 +24,22 @@ def prepare_params(engine, params: SamplingParams) -> SamplingParams:
                 if ids and ids not in bad_words:
                     bad_words.append(ids)
     hidden = params.best_of is not None and params.best_of > params.n and params.logprobs is None
+    compiled = None if params.structured_outputs is None else grammar_compiler(engine).compile(params.structured_outputs)
     return dataclasses.replace(params, all_stop_token_ids=frozenset(stop_ids), bad_words_token_ids=bad_words,
-                               logprobs=0 if hidden else params.logprobs, hidden_logprobs=hidden)
+                               logprobs=0 if hidden else params.logprobs, hidden_logprobs=hidden,
+                               compiled_grammar=compiled)
+
+
+def grammar_compiler(engine):
+    """The engine's structured-outputs compiler (sampling/grammar.py), made on first use."""
+    if engine.grammars is None:
+        if engine.tokenizer is None:
+            raise ValueError("structured_outputs: this model has no tokenizer")
+        if engine.config.tensor_parallel_size > 1 or engine.config.data_parallel_size > 1:
+            raise ValueError("structured_outputs: not supported with tensor or data parallelism yet")
+        from mtpserve.sampling.grammar import GrammarCompiler
+        engine.grammars = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    return engine.grammars
 
 
 def check_request(engine, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,

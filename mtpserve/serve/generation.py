@@ -114,7 +114,8 @@ def make_params(req: protocol.GenerationRequest, num_prompt_tokens: int, max_mod
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
-        raise APIError(str(e), param=guess_param(str(e)))
+        raise APIError(str(e), param=req.structured_field if str(e).startswith("structured_outputs")
+                       else guess_param(str(e)))
 
 
 async def start_requests(async_engine, request_id: str, prompts: list, params: list, add=None) -> list:

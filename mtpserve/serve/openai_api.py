@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mtpserve.engine import validation
 from mtpserve.serve import generation, protocol
 from mtpserve.serve.guards import APIKeyGuard, BodyLimitGuard, HostOriginGuard
 from mtpserve.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -151,7 +152,13 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
             raise APIError(f"the model {req.model!r} does not exist; this server serves {names}", status=404,
                            type="not_found_error", param="model", code="model_not_found")
         prompts = generation.prepare_prompts(req, tokenizer, max_model_len, chat)
-        return req, prompts, [generation.make_params(req, len(ids), max_model_len, chat) for _, ids in prompts]
+        params = [generation.make_params(req, len(ids), max_model_len, chat) for _, ids in prompts]
+        if req.structured_field is not None:   # compiled here, off the event loop; the engine finds it cached
+            try:
+                validation.grammar_compiler(engine.engine).compile(params[0].structured_outputs)
+            except ValueError as e:
+                raise APIError(str(e), param=req.structured_field)
+        return req, prompts, params
 
     async def serve(request: Request, chat: bool):
         raw = await request.body()

@@ -64,13 +64,16 @@ SAMPLING_FIELDS = {
 OTHER_FIELDS = {"model", "prompt", "messages", "stream", "stream_options", "stop", "cache_salt", "logprobs",
                 "top_logprobs", "echo", "max_completion_tokens", "return_token_ids", "return_tokens_as_token_ids",
                 "kv_transfer_params", "add_special_tokens", "chat_template", "chat_template_kwargs",
-                "add_generation_prompt", "continue_final_message", "user"}
+                "add_generation_prompt", "continue_final_message", "user", "response_format", "structured_outputs",
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+# Where a structured output can be asked for: the field -> how its value becomes StructuredOutputsParams fields.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 # Fields accepted only at their neutral values: anything else is refused with a 400 that names the field.
 UNSUPPORTED_UNLESS = {
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "function_call": (None, "none"), "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "priority": (None, 0),
     "logits_processors": (None, []), "vllm_xargs": (None, {}), "prompt_embeds": (None,), "documents": (None, []),
     "mm_processor_kwargs": (None, {}), "request_id": (None,), "reasoning_effort": (None,), "prediction": (None,),
@@ -109,6 +112,7 @@ class GenerationRequest:
     chat_template_kwargs: dict = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    structured_field: str | None = None    # the field that asked for a structured output
 
 
 def parse_sampling(body: dict, chat: bool) -> dict:
@@ -175,7 +179,45 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     for name, neutral in UNSUPPORTED_UNLESS.items():
         if name in body and body[name] not in neutral:
             raise APIError(f"'{name}' is not supported", param=name)
+    structured = parse_structured(body)
+    if structured is not None:
+        out["structured_outputs"] = structured
     return out
+
+
+def parse_structured(body: dict) -> dict | None:
+    """StructuredOutputsParams fields from whichever of STRUCTURED_FIELDS the body uses (one at most)."""
+    given = [n for n in STRUCTURED_FIELDS if body.get(n) is not None and body[n] != {"type": "text"}]
+    if len(given) > 1:
+        raise APIError(f"'{given[1]}': give one of {', '.join(given)}", param=given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name == "response_format":
+        if not isinstance(value, dict) or value.get("type") not in ("json_object", "json_schema"):
+            raise APIError("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                           param=name)
+        if value["type"] == "json_object":
+            return {"json_object": True}
+        schema = (value.get("json_schema") or {}).get("schema") if isinstance(value.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise APIError("'response_format': json_schema needs {\"json_schema\": {\"schema\": {...}}}", param=name)
+        return {"json": schema}
+    if name == "structured_outputs":
+        if not isinstance(value, dict) or not set(value) <= {"json", "json_object", "regex", "choice", "grammar"}:
+            raise APIError("'structured_outputs' must be an object with one of json, json_object, regex, choice, "
+                           "grammar", param=name)
+        return value
+    kind = name.removeprefix("guided_")
+    types = {"json": (dict, str), "regex": str, "choice": list, "grammar": str}[kind]
+    if not isinstance(value, types):
+        raise APIError(f"'{name}' has the wrong type", param=name)
+    return {kind: value}
+
+
+def structured_field(body: dict) -> str | None:
+    """The field a request asked for its structured output with (a 400 about the grammar names it)."""
+    return next((n for n in STRUCTURED_FIELDS if body.get(n) is not None and body[n] != {"type": "text"}), None)
 
 
 def _parse_common(body, chat: bool) -> GenerationRequest:
@@ -225,7 +267,8 @@ def _parse_common(body, chat: bool) -> GenerationRequest:
                              chat_template=flags.get("chat_template"),
                              chat_template_kwargs=flags.get("chat_template_kwargs", {}),
                              add_generation_prompt=flags.get("add_generation_prompt", True),
-                             continue_final_message=flags.get("continue_final_message", False))
+                             continue_final_message=flags.get("continue_final_message", False),
+                             structured_field=structured_field(body))
 
 
 def _is_token_ids(x) -> bool:
