@@ -8,7 +8,7 @@ import time
 
 from mtpserve.engine.async_engine import EngineDeadError, EngineError, QueueFullError
 from mtpserve.sampling_params import SamplingParams
-from mtpserve.serve import protocol
+from mtpserve.serve import protocol, responses, tools
 from mtpserve.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -33,14 +33,27 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_request(raw: bytes, chat: bool) -> protocol.GenerationRequest:
+def parse_request(raw: bytes, chat: bool, tool_parser: str | None = None) -> protocol.GenerationRequest:
+    """The checked request; chat: its tools (tools.py), whose named / required choice becomes its grammar."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
         raise APIError("malformed JSON body: nested too deeply")
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"malformed JSON body: {e}")
-    return protocol.parse_chat_request(body) if chat else protocol.parse_completion_request(body)
+    if not chat:
+        return protocol.parse_completion_request(body)
+    req = protocol.parse_chat_request(body)
+    req.tools = tools.parse_tools(body, tool_parser)
+    forced = req.tools and tools.constraint(req.tools)
+    if forced:
+        if req.structured_field is not None:
+            raise APIError(f"'{req.structured_field}' and 'tool_choice' both constrain the output: give one",
+                           param="tool_choice")
+        req.sampling["structured_outputs"], req.structured_field = forced, "tools"
+    if req.tools and req.tools.choice == "auto":   # (the parser reads the model's special tokens)
+        req.sampling.setdefault("skip_special_tokens", False)
+    return req
 
 
 def encode(tokenizer, text: str, max_model_len: int, field: str, **kwargs) -> list[int]:
@@ -70,7 +83,8 @@ def prepare_prompts(req: protocol.GenerationRequest, tokenizer, max_model_len: i
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError("this model has no chat template; use /v1/completions", param="messages")
         try:
-            text = tokenizer.apply_chat_template(req.messages, tokenize=False,
+            shown = None if req.tools is None else [{"type": "function", "function": f} for f in req.tools.tools]
+            text = tokenizer.apply_chat_template(req.messages, tokenize=False, tools=shown,
                                                  add_generation_prompt=req.add_generation_prompt,
                                                  continue_final_message=req.continue_final_message,
                                                  chat_template=req.chat_template, **req.chat_template_kwargs)
@@ -161,46 +175,7 @@ async def merge(streams):
 def _finished_usage(finals: dict, req: protocol.GenerationRequest) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in finals.values())
     completion = 0 if req.echo_only else sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-    return protocol.usage(prompt, completion, sum(o.num_cached_tokens for o in finals.values()))
-
-
-class ChoiceView:
-    """What one choice shows of an engine output: with echo the prompt first, with echo_only nothing
-    generated; its logprobs in the endpoint's format, from the `start`-th token shown."""
-
-    def __init__(self, req: protocol.GenerationRequest, chat: bool, tokenizer):
-        self.req, self.chat, self.tokenizer = req, chat, tokenizer
-        self.top_n = req.sampling.get("logprobs")
-
-    def token_text(self, t: int) -> str:
-        if self.req.tokens_as_ids or self.tokenizer is None:
-            return f"token_id:{t}"
-        return self.tokenizer.decode([t])
-
-    def prompt_text(self, out) -> str:
-        if out.prompt is not None:
-            return out.prompt
-        return "" if self.tokenizer is None else self.tokenizer.decode(out.prompt_token_ids)
-
-    def text(self, out, c) -> str:
-        generated = "" if self.req.echo_only else c.text
-        return self.prompt_text(out) + generated if self.req.echo else generated
-
-    def tokens(self, out, c) -> tuple[list[int], list | None]:
-        ids = [] if self.req.echo_only else list(c.token_ids)
-        entries = None if c.logprobs is None else ([] if self.req.echo_only else c.logprobs)
-        if self.req.echo:
-            ids = list(out.prompt_token_ids) + ids
-            entries = None if entries is None else list(out.prompt_logprobs or []) + entries
-        return ids, entries
-
-    def logprobs(self, out, c, start: int = 0, offset: int = 0) -> dict | None:
-        ids, entries = self.tokens(out, c)
-        if entries is None:
-            return None
-        if self.chat:
-            return protocol.chat_logprobs(ids[start:], entries[start:], self.token_text, self.top_n)
-        return protocol.completion_logprobs(ids[start:], entries[start:], self.token_text, offset)
+    return responses.usage(prompt, completion, sum(o.num_cached_tokens for o in finals.values()))
 
 
 async def collect(streams, req: protocol.GenerationRequest, request_id: str, model: str, chat: bool,
@@ -213,16 +188,20 @@ async def collect(streams, req: protocol.GenerationRequest, request_id: str, mod
     except (EngineError, EngineDeadError) as e:
         raise engine_failure(e, request_id)
     n = req.sampling.get("n", 1)
-    view = ChoiceView(req, chat, tokenizer)
+    view = responses.ChoiceView(req, chat, tokenizer)
     choices = []
     for i in sorted(finals):
         for c in finals[i].outputs:
             ids = c.token_ids if req.return_token_ids else None
-            make = protocol.chat_choice if chat else protocol.completion_choice
-            choices.append(make(i * n + c.index, view.text(finals[i], c), c.finish_reason, ids,
-                                view.logprobs(finals[i], c)))
+            if chat:
+                content, calls, finish = view.message(finals[i], c)
+                choices.append(responses.chat_choice(i * n + c.index, content, finish, ids,
+                                                     view.logprobs(finals[i], c), calls))
+            else:
+                choices.append(responses.completion_choice(i * n + c.index, view.text(finals[i], c),
+                                                           c.finish_reason, ids, view.logprobs(finals[i], c)))
     choices.sort(key=lambda c: c["index"])
-    return protocol.completion_response(request_id, model, choices, _finished_usage(finals, req), chat)
+    return responses.completion_response(request_id, model, choices, _finished_usage(finals, req), chat)
 
 
 def _sse(obj) -> str:
@@ -243,7 +222,7 @@ class _ChoiceState:
 
     def __init__(self, req, request_id, model, chat, created, tokenizer):
         self.req, self.request_id, self.model, self.chat, self.created = req, request_id, model, chat, created
-        self.view = ChoiceView(req, chat, tokenizer)
+        self.view = responses.ChoiceView(req, chat, tokenizer)
         self.holdback = max((len(s) for s in req.sampling.get("stop") or []), default=1) - 1
         self.sent_chars, self.sent_ids, self.sent_tokens, self.done = {}, {}, {}, set()
 
@@ -251,7 +230,14 @@ class _ChoiceState:
         if idx in self.done:
             return []
         finished = c.finish_reason is not None
-        text = _sendable(self.view.text(out, c), finished, self.holdback)
+        if self.view.holds_text and not finished:
+            return []
+        calls, finish = [], c.finish_reason
+        if self.view.holds_text:   # (the end: the content and the calls at once)
+            text, calls, finish = self.view.message(out, c)
+            text = text or ""
+        else:
+            text = _sendable(self.view.text(out, c), finished, self.holdback)
         delta = text[self.sent_chars.get(idx, 0):]
         self.sent_chars[idx] = max(self.sent_chars.get(idx, 0), len(text))
         ids = None
@@ -268,8 +254,9 @@ class _ChoiceState:
             self.done.add(idx)
         if not (delta or finished or ids or logprobs):
             return []
-        return [_sse(protocol.stream_chunk(self.request_id, self.model, self.created, self.chat, idx, delta,
-                                           c.finish_reason if finished else None, token_ids=ids, logprobs=logprobs))]
+        return [_sse(responses.stream_chunk(self.request_id, self.model, self.created, self.chat, idx, delta,
+                                            finish if finished else None, token_ids=ids, logprobs=logprobs,
+                                            tool_calls=calls))]
 
     def usage(self, outs: dict) -> dict:
         return _finished_usage(outs, self.req)
@@ -285,7 +272,7 @@ async def stream_sse(streams, req: protocol.GenerationRequest, request_id: str, 
     finals, latest = {}, {}
     if chat:
         for idx in range(len(streams) * n):
-            yield _sse(protocol.stream_chunk(request_id, model, created, chat, idx, None, role=True))
+            yield _sse(responses.stream_chunk(request_id, model, created, chat, idx, None, role=True))
     try:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
@@ -305,5 +292,5 @@ async def stream_sse(streams, req: protocol.GenerationRequest, request_id: str, 
         for s in streams:
             s.abort()
     if req.include_usage and len(finals) == len(streams):
-        yield _sse(protocol.usage_chunk(request_id, model, created, chat, state.usage(finals)))
+        yield _sse(responses.usage_chunk(request_id, model, created, chat, state.usage(finals)))
     yield "data: [DONE]\n\n"

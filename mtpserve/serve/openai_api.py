@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpserve.engine import validation
-from mtpserve.serve import generation, protocol
+from mtpserve.serve import generation, protocol, responses
 from mtpserve.serve.guards import APIKeyGuard, BodyLimitGuard, HostOriginGuard
 from mtpserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from mtpserve.serve.protocol import APIError
@@ -76,11 +76,12 @@ def _error_response(err: APIError) -> JSONResponse:
 
 def build_app(engine, served_model_name, api_key: str | None = None, max_model_len: int | None = None,
               kv_connector=None, allowed_hosts=None, allowed_origins=(), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, tool_parser: str | None = None) -> FastAPI:
     """engine: an AsyncEngine. served_model_name: a name or a list of names (the first one is reported).
     kv_connector: this server's side of disaggregated prefill/decode (mtpserve/disagg/), or None.
     allowed_hosts: Host names served (None: any); allowed_origins: browser Origins served ("*": any).
-    chat_template: a Jinja template replacing the tokenizer's."""
+    chat_template: a Jinja template replacing the tokenizer's. tool_parser: how "auto" tool calls are read from
+    the model's text (--enable-auto-tool-choice --tool-call-parser; None: "auto" is refused)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     max_model_len = max_model_len or engine.max_model_len
     tokenizer = _own_copy(engine.tokenizer)   # the engine thread uses its tokenizer concurrently
@@ -147,7 +148,7 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
         return {"object": "list", "data": data}
 
     def parse_and_prepare(raw: bytes, chat: bool):   # (on the prepare thread)
-        req = generation.parse_request(raw, chat)
+        req = generation.parse_request(raw, chat, tool_parser)
         if req.model is not None and req.model not in names:
             raise APIError(f"the model {req.model!r} does not exist; this server serves {names}", status=404,
                            type="not_found_error", param="model", code="model_not_found")
@@ -165,7 +166,7 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
         req, prompts, params = await asyncio.get_running_loop().run_in_executor(prepare_pool, parse_and_prepare,
                                                                                 raw, chat)
         model = req.model or names[0]
-        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        request_id = responses.new_id("chatcmpl" if chat else "cmpl")
         disagg = None
         if req.kv_transfer_params is not None:
             from mtpserve.disagg import serving

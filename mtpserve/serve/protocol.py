@@ -1,4 +1,4 @@
-"""OpenAI request parsing and response/chunk building, as plain functions over JSON dicts.
+"""OpenAI request parsing, as plain functions over JSON dicts (responses: responses.py).
 
 Parsing never trusts the body: each field is type-checked here, and ranges are checked here (the limits
 below) and by SamplingParams.validate() and the engine (top_k and token ids against the vocabulary); any
@@ -7,24 +7,11 @@ are ignored, as OpenAI clients send extras; every field of vLLM's request models
 (SAMPLING_FIELDS, OTHER_FIELDS, UNSUPPORTED_UNLESS).
 """
 import math
-import time
-import uuid
 from dataclasses import dataclass, field
 
-
-class APIError(Exception):
-    """An error sent to the client as {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-        self.headers = headers or {}
-
-
-def error_body(err: APIError) -> dict:
-    message = err.message.encode("utf-8", "replace").decode("utf-8")   # (a lone surrogate echoed from the input)
-    return {"error": {"message": message, "type": err.type, "param": err.param, "code": err.code}}
+from mtpserve.serve.errors import APIError, error_body  # noqa: F401 (the names callers use)
+from mtpserve.serve.fields import (OTHER_FIELDS, SAMPLING_FIELDS, UNSUPPORTED_UNLESS,  # noqa: F401
+                                   parse_structured, structured_field)
 
 
 # Limits (OpenAI's where it documents one).
@@ -42,44 +29,6 @@ def check_text(name: str, text: str) -> str:
     except UnicodeEncodeError:
         raise APIError(f"'{name}' is not valid Unicode (it holds a lone surrogate)", param=name.split("[")[0])
     return text
-
-
-# Sampling fields (request name -> SamplingParams name) with their JSON types.
-_NUM = (int, float)
-SAMPLING_FIELDS = {
-    "temperature": ("temperature", _NUM), "top_p": ("top_p", _NUM), "top_k": ("top_k", int),
-    "min_p": ("min_p", _NUM), "max_tokens": ("max_tokens", int), "min_tokens": ("min_tokens", int),
-    "n": ("n", int), "best_of": ("best_of", int), "seed": ("seed", int),
-    "repetition_penalty": ("repetition_penalty", _NUM), "frequency_penalty": ("frequency_penalty", _NUM),
-    "presence_penalty": ("presence_penalty", _NUM), "logit_bias": ("logit_bias", dict),
-    "allowed_token_ids": ("allowed_token_ids", list), "bad_words": ("bad_words", list),
-    "stop_token_ids": ("stop_token_ids", list), "ignore_eos": ("ignore_eos", bool),
-    "include_stop_str_in_output": ("include_stop_str_in_output", bool),
-    "skip_special_tokens": ("skip_special_tokens", bool),
-    "spaces_between_special_tokens": ("spaces_between_special_tokens", bool),
-    "truncate_prompt_tokens": ("truncate_prompt_tokens", int), "prompt_logprobs": ("prompt_logprobs", int),
-}
-# Fields honoured elsewhere in parsing (not SamplingParams fields), or that carry no instruction (user: an
-# end-user id for the provider's records; model: checked against the served names).
-OTHER_FIELDS = {"model", "prompt", "messages", "stream", "stream_options", "stop", "cache_salt", "logprobs",
-                "top_logprobs", "echo", "max_completion_tokens", "return_token_ids", "return_tokens_as_token_ids",
-                "kv_transfer_params", "add_special_tokens", "chat_template", "chat_template_kwargs",
-                "add_generation_prompt", "continue_final_message", "user", "response_format", "structured_outputs",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
-# Where a structured output can be asked for: the field -> how its value becomes StructuredOutputsParams fields.
-STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar")
-# Fields accepted only at their neutral values: anything else is refused with a 400 that names the field.
-UNSUPPORTED_UNLESS = {
-    "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "function_call": (None, "none"), "parallel_tool_calls": (None,),
-    "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
-    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "priority": (None, 0),
-    "logits_processors": (None, []), "vllm_xargs": (None, {}), "prompt_embeds": (None,), "documents": (None, []),
-    "mm_processor_kwargs": (None, {}), "request_id": (None,), "reasoning_effort": (None,), "prediction": (None,),
-    "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,), "metadata": (None,),
-    "store": (None, False), "service_tier": (None, "auto", "default"), "verbosity": (None,),
-}
 
 
 def _check_type(name: str, value, types):
@@ -113,6 +62,7 @@ class GenerationRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     structured_field: str | None = None    # the field that asked for a structured output
+    tools: object = None                   # chat: a ToolRequest (tools.py)
 
 
 def parse_sampling(body: dict, chat: bool) -> dict:
@@ -185,41 +135,6 @@ def parse_sampling(body: dict, chat: bool) -> dict:
     return out
 
 
-def parse_structured(body: dict) -> dict | None:
-    """StructuredOutputsParams fields from whichever of STRUCTURED_FIELDS the body uses (one at most)."""
-    given = [n for n in STRUCTURED_FIELDS if body.get(n) is not None and body[n] != {"type": "text"}]
-    if len(given) > 1:
-        raise APIError(f"'{given[1]}': give one of {', '.join(given)}", param=given[1])
-    if not given:
-        return None
-    name, value = given[0], body[given[0]]
-    if name == "response_format":
-        if not isinstance(value, dict) or value.get("type") not in ("json_object", "json_schema"):
-            raise APIError("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
-                           param=name)
-        if value["type"] == "json_object":
-            return {"json_object": True}
-        schema = (value.get("json_schema") or {}).get("schema") if isinstance(value.get("json_schema"), dict) else None
-        if not isinstance(schema, dict):
-            raise APIError("'response_format': json_schema needs {\"json_schema\": {\"schema\": {...}}}", param=name)
-        return {"json": schema}
-    if name == "structured_outputs":
-        if not isinstance(value, dict) or not set(value) <= {"json", "json_object", "regex", "choice", "grammar"}:
-            raise APIError("'structured_outputs' must be an object with one of json, json_object, regex, choice, "
-                           "grammar", param=name)
-        return value
-    kind = name.removeprefix("guided_")
-    types = {"json": (dict, str), "regex": str, "choice": list, "grammar": str}[kind]
-    if not isinstance(value, types):
-        raise APIError(f"'{name}' has the wrong type", param=name)
-    return {kind: value}
-
-
-def structured_field(body: dict) -> str | None:
-    """The field a request asked for its structured output with (a 400 about the grammar names it)."""
-    return next((n for n in STRUCTURED_FIELDS if body.get(n) is not None and body[n] != {"type": "text"}), None)
-
-
 def _parse_common(body, chat: bool) -> GenerationRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
@@ -277,6 +192,8 @@ def _is_token_ids(x) -> bool:
 
 def parse_completion_request(body) -> GenerationRequest:
     req = _parse_common(body, chat=False)
+    if body.get("tools") not in (None, []) or body.get("tool_choice") is not None:
+        raise APIError("'tools' is a chat field (/v1/chat/completions)", param="tools")
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
         prompts = [prompt]
@@ -315,92 +232,14 @@ def parse_chat_request(body) -> GenerationRequest:
         if not isinstance(content, str):
             raise APIError(f"'messages[{i}].content' must be a string or a list of text parts",
                            param="messages")
-        out.append({"role": check_text(f"messages[{i}].role", m["role"]),
-                    "content": check_text(f"messages[{i}].content", content)})
+        message = {"role": check_text(f"messages[{i}].role", m["role"]),
+                   "content": check_text(f"messages[{i}].content", content)}
+        for key in ("tool_calls", "tool_call_id", "name"):   # (tool turns, for the chat template)
+            if m.get(key) is not None:
+                message[key] = m[key]
+        if "tool_calls" in message and (not isinstance(message["tool_calls"], list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in message["tool_calls"])):
+            raise APIError(f"'messages[{i}].tool_calls' must be a list of calls", param="messages")
+        out.append(message)
     req.messages = out
     return req
-
-
-# ---- responses ----
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def completion_choice(index: int, text: str, finish_reason, token_ids=None, logprobs=None) -> dict:
-    c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    if token_ids is not None:
-        c["token_ids"] = list(token_ids)
-    return c
-
-
-def chat_choice(index: int, text: str, finish_reason, token_ids=None, logprobs=None) -> dict:
-    c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-         "finish_reason": finish_reason}
-    if token_ids is not None:
-        c["token_ids"] = list(token_ids)
-    return c
-
-
-def _finite(logprob: float) -> float:
-    return max(logprob, -9999.0)   # (JSON has no -inf; vLLM's convention)
-
-
-def completion_logprobs(token_ids: list[int], entries: list, token_text, offset: int = 0) -> dict:
-    """OpenAI's completions logprobs: entries[i] is {token: Logprob} for token_ids[i], or None (the first
-    prompt token). offset: text_offset of the first token."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, entry in zip(token_ids, entries):
-        text = token_text(t)
-        out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(text)
-        out["token_logprobs"].append(None if entry is None else _finite(entry[t].logprob))
-        top = None
-        if entry is not None:   # (tokens with one text, e.g. partial UTF-8 bytes: the scored one's, then the likeliest)
-            top = {}
-            for i, lp in entry.items():
-                top.setdefault(token_text(i), _finite(lp.logprob))
-        out["top_logprobs"].append(top)
-    return out
-
-
-def chat_logprobs(token_ids: list[int], entries: list, token_text, top_n: int) -> dict:
-    """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the top_n most likely."""
-    def item(t, lp):
-        text = token_text(t)
-        return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
-    content = []
-    for t, entry in zip(token_ids, entries):
-        top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top_n]
-        content.append(item(t, entry[t]) | {"top_logprobs": [item(i, lp) for i, lp in top]})
-    return {"content": content, "refusal": None}
-
-
-def completion_response(rid: str, model: str, choices: list, use: dict, chat: bool) -> dict:
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": use}
-
-
-def stream_chunk(rid: str, model: str, created: int, chat: bool, index: int, text: str | None,
-                 finish_reason=None, role: bool = False, token_ids=None, logprobs=None) -> dict:
-    if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice]}
-
-
-def usage_chunk(rid: str, model: str, created: int, chat: bool, use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": use}

@@ -11,6 +11,7 @@ import os
 from mtpserve.engine_args import add_engine_args, engine_kwargs
 from mtpserve.serve.guards import LOOPBACK_HOSTS
 from mtpserve.serve.openai_api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN, build_app
+from mtpserve.serve.tools import PARSERS
 
 logger = logging.getLogger("mtpserve.serve")
 
@@ -38,6 +39,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="seconds SIGTERM waits for running requests; the ones left then end with an error")
     a("--chat-template", default=None, help="a Jinja chat template (a file, or the template itself) replacing "
                                             "the tokenizer's")
+    a("--enable-auto-tool-choice", action="store_true",
+      help="tool_choice \"auto\": the model decides to call tools, its text read by --tool-call-parser")
+    a("--tool-call-parser", choices=PARSERS, default=None, help="the model's tool-call format (DeepSeek-V3's)")
     a("--kv-transfer-config", default=None,
       help="disaggregated prefill/decode (JSON, vLLM's keys): kv_role kv_producer|kv_consumer|kv_both, kv_port, "
            "kv_ip, mtp_handoff drafts|hidden, kv_transfer_timeout, kv_pull_timeout (mtpserve/disagg/connector.py)")
@@ -69,6 +73,12 @@ def prefill_server_speculation(speculative_config: dict | None, kv_role: str) ->
     logger.info("kv_producer: MTP drafts a fixed %s tokens (add \"adaptive\": true to adapt them)",
                 spec.get("num_speculative_tokens"))
     return {**spec, "adaptive": False}
+
+
+def _tool_parser(args) -> str | None:
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit("--enable-auto-tool-choice and --tool-call-parser go together")
+    return args.tool_call_parser
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -146,7 +156,8 @@ def run_server(args) -> None:
     names = args.served_model_name or [args.model or "mtpserve-default"]
     app = build_app(async_engine, names, args.api_key, async_engine.max_model_len, kv_connector,
                     allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                    max_body_bytes=args.max_request_body_bytes, chat_template=_chat_template(args.chat_template))
+                    max_body_bytes=args.max_request_body_bytes, chat_template=_chat_template(args.chat_template),
+                    tool_parser=_tool_parser(args))
     logger.info("serving %s on http://%s:%d (max_model_len %d)", names, args.host, args.port,
                 async_engine.max_model_len)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
