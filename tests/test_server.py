@@ -526,8 +526,8 @@ VLLM_FIELDS = {
     "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "priority": 1, "request_id": "r1", "logits_processors": ["x"],
     "return_tokens_as_token_ids": None, "return_token_ids": None, "cache_salt": None, "kv_transfer_params": None,
-    "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA", "bad_words": None, "tools": [{"type": "function"}],
-    "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+    "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA", "bad_words": None, "tools": None,
+    "tool_choice": None, "parallel_tool_calls": None, "functions": [{"name": "f"}], "function_call": "auto",
     "reasoning_effort": "low", "add_generation_prompt": None, "continue_final_message": None,
     "documents": [{"t": "x"}], "chat_template": None, "chat_template_kwargs": None, "mm_processor_kwargs": {"a": 1},
     "metadata": {"a": "b"}, "store": True, "modalities": ["audio"], "audio": {"voice": "x"},
@@ -543,7 +543,7 @@ def test_every_vllm_field_is_honoured_or_refused_by_name(server):
             assert name in handled, name
             continue
         assert name in protocol.UNSUPPORTED_UNLESS, name
-        chat = name in ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "documents")
+        chat = name in ("functions", "function_call", "documents")
         body = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
         r = httpx.post(server + ("/v1/chat/completions" if chat else "/v1/completions"), headers=AUTH, timeout=30,
                        json={**body, "max_tokens": 1, name: asking})
@@ -626,3 +626,80 @@ def test_structured_outputs_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"})
     check_error(e, 400, "guided_regex")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                    "days": {"type": "integer", "enum": [1, 2, 3]}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_tool_calls_named_and_required(client):
+    import jsonschema
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    named = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], max_tokens=60,
+                                           temperature=0, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and named.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    required = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], max_tokens=80,
+                                              temperature=0.8, seed=3, tool_choice="required",
+                                              parallel_tool_calls=False)
+    calls = required.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    schema = {"get_weather": WEATHER, "get_time": TIME}[calls[0].function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+    # the call goes back through the chat template as an assistant turn and a tool turn
+    follow = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, tools=[WEATHER],
+                                            tool_choice="none", messages=messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+    assert follow.choices[0].message.tool_calls is None and follow.choices[0].finish_reason in ("stop", "length")
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=60,
+                                                 temperature=0, stream=True, tool_choice={
+                                                     "type": "function", "function": {"name": "get_weather"}}))
+    deltas = [c.choices[0].delta.tool_calls for c in stream if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[-1][0].function.arguments == call.function.arguments
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
+    for bad, param in (({"tool_choice": "auto"}, "tool_choice"),   # (this server has no --tool-call-parser)
+                       ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                       ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=4, **bad)
+        check_error(e, 400, param)
+
+
+def test_deepseek_v3_tool_call_parser():
+    from mtpserve.serve.tools import parse_deepseek_v3
+    text = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+            '{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+            '```json\n{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
+    content, calls = parse_deepseek_v3(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]
+    assert parse_deepseek_v3("no calls here") == ("no calls here", [])
+
+
+def test_langchain_structured_output_and_tools(server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+    from typing import Literal
+
+    class Answer(BaseModel):
+        city: Literal["Paris", "Oslo"]
+        ok: bool
+
+    llm = ChatOpenAI(base_url=server + "/v1", api_key=API_KEY, model="tiny", temperature=0, max_tokens=60,
+                     max_retries=0)
+    answer = llm.with_structured_output(Answer, method="json_schema").invoke("which city?")
+    assert isinstance(answer, Answer)
+    bound = llm.bind_tools([WEATHER], tool_choice="get_weather")
+    msg = bound.invoke("weather?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert msg.tool_calls[0]["args"]["city"] in ("Paris", "Oslo")
