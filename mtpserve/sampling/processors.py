@@ -39,56 +39,92 @@ def process(logits: torch.Tensor, rows: list[RowHistory | None], vocab: torch.Te
     id of each column when a head scores a draft vocabulary only (vocab_size: the whole vocabulary's).
     A row left with no token: a draft keeps its unprocessed logits (a proposal; verification decides); the
     target raises, failing that request only (engine._execute_isolating)."""
-    if all(r is None for r in rows):
+    picked = [m for m, r in enumerate(rows) if r is not None]
+    if not picked:
         return logits
     logits = logits.float().clone()
-    for m, row in enumerate(rows):
-        if row is None:
-            continue
-        if vocab is None:
-            processed = _process_row(logits[m], row)
-        else:   # through the whole vocabulary: ids outside the draft vocabulary stay out
-            full = logits.new_full((vocab_size,), float("-inf")).index_copy(0, vocab, logits[m])
-            processed = _process_row(full, row)[vocab]
-        if not bool(torch.isfinite(processed).any()):
-            if drafting:
-                continue
-            raise ValueError("allowed_token_ids, bad_words and min_tokens leave no token to sample")
-        logits[m] = processed
+    x = logits[picked]
+    if vocab is not None:   # through the whole vocabulary: ids outside the draft vocabulary stay out
+        x = x.new_full((len(picked), vocab_size), float("-inf")).index_copy(1, vocab, x)
+    x = _process_rows(x, [rows[m] for m in picked])
+    if vocab is not None:
+        x = x[:, vocab]
+    empty = ~torch.isfinite(x).any(-1)
+    if bool(empty.any()):
+        if not drafting:
+            raise ValueError("allowed_token_ids, bad_words, min_tokens and the grammar leave no token to sample")
+        x = torch.where(empty.unsqueeze(-1), logits[picked], x)
+    logits[picked] = x
     return logits
 
 
-def _process_row(x: torch.Tensor, row: RowHistory) -> torch.Tensor:
-    p, generated = row.params, row.generated
-    vocab = x.shape[0]
-    if row.grammar is not None:
-        allowed = row.grammar.allowed_after(generated)
-        if allowed is None:   # after a draft the grammar forbids: a position never used
-            return x
-        x = x.masked_fill(~allowed.to(x.device)[:vocab], float("-inf"))
-    if p.allowed_token_ids is not None:
-        allowed = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-        allowed[[t for t in p.allowed_token_ids if t < vocab]] = True
-        x = x.masked_fill(~allowed, float("-inf"))
-    banned = [w[-1] for w in p.bad_words_token_ids
-              if len(w) == 1 or generated[len(generated) - len(w) + 1:] == w[:-1]]
-    if len(generated) < p.min_tokens:
-        banned += list(p.all_stop_token_ids)
-    banned = [t for t in banned if t < vocab]
-    if banned:
-        x = x.clone()
-        x[banned] = float("-inf")
-    if p.logit_bias:
-        ids = [int(t) for t in p.logit_bias if int(t) < vocab]
-        x = x.index_add(0, torch.tensor(ids, dtype=torch.long, device=x.device),
-                        torch.tensor([float(p.logit_bias[t]) for t in p.logit_bias if int(t) < vocab],
-                                     dtype=x.dtype, device=x.device))
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-        seen[torch.tensor(row.prompt + generated, dtype=torch.long, device=x.device)] = True
-        penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-        x = torch.where(seen, penalised, x)
-    if (p.frequency_penalty or p.presence_penalty) and generated:
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=x.device), minlength=vocab)[:vocab]
-        x = x - p.frequency_penalty * counts.to(x.dtype) - p.presence_penalty * (counts > 0).to(x.dtype)
+class _Pairs:
+    """(row, token) pairs gathered over the rows, set or added into a [M, V] tensor in one call."""
+
+    def __init__(self):
+        self.rows, self.tokens, self.values = [], [], []
+
+    def add(self, m: int, tokens, values=None) -> None:
+        self.rows += [m] * len(tokens)
+        self.tokens += list(tokens)
+        self.values += list(values) if values is not None else []
+
+    def dense(self, like: torch.Tensor, dtype, accumulate: bool = False) -> torch.Tensor:
+        out = torch.zeros(like.shape, dtype=dtype, device=like.device)
+        if self.rows:
+            index = (torch.tensor(self.rows, device=like.device), torch.tensor(self.tokens, device=like.device))
+            values = (torch.tensor(self.values, dtype=dtype, device=like.device) if self.values
+                      else torch.ones(len(self.rows), dtype=dtype, device=like.device))
+            out.index_put_(index, values, accumulate=accumulate)
+        return out
+
+
+def _process_rows(x: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
+    """Every processed row at once: each field's (row, token) pairs gathered, then one masked or elementwise
+    operation per field over [M, V] (the grammar's masks come row by row from its matchers)."""
+    vocab = x.shape[1]
+    allowed, banned, bias, seen, generated = _Pairs(), _Pairs(), _Pairs(), _Pairs(), _Pairs()
+    restricted, grammar_rows, grammar_masks = [], [], []
+    for m, row in enumerate(rows):
+        p, gen = row.params, row.generated
+        if row.grammar is not None:
+            mask = row.grammar.allowed_after(gen)
+            if mask is not None:   # (None: after a draft the grammar forbids, a position never used)
+                grammar_rows.append(m)
+                grammar_masks.append(mask[:vocab])
+        if p.allowed_token_ids is not None:
+            restricted.append(m)
+            allowed.add(m, [t for t in p.allowed_token_ids if t < vocab])
+        ban = [w[-1] for w in p.bad_words_token_ids if len(w) == 1 or gen[len(gen) - len(w) + 1:] == w[:-1]]
+        if len(gen) < p.min_tokens:
+            ban += list(p.all_stop_token_ids)
+        banned.add(m, [t for t in ban if t < vocab])
+        if p.logit_bias:
+            ids = [int(t) for t in p.logit_bias if int(t) < vocab]
+            bias.add(m, ids, [float(p.logit_bias[t]) for t in ids])
+        if p.repetition_penalty != 1.0:
+            seen.add(m, row.prompt + gen)
+        if p.frequency_penalty or p.presence_penalty:
+            generated.add(m, gen)
+    minus_inf = float("-inf")
+    if grammar_rows:
+        keep = torch.ones_like(x, dtype=torch.bool)
+        keep[grammar_rows] = torch.stack(grammar_masks).to(x.device)
+        x = x.masked_fill(~keep, minus_inf)
+    if restricted:
+        outside = torch.zeros_like(x, dtype=torch.bool)
+        outside[restricted] = True
+        x = x.masked_fill(outside & ~allowed.dense(x, torch.bool), minus_inf)
+    if banned.rows:
+        x = x.masked_fill(banned.dense(x, torch.bool), minus_inf)
+    if bias.rows:
+        x = x + bias.dense(x, x.dtype, accumulate=True)
+    if seen.rows:
+        penalty = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=x.device).unsqueeze(1)
+        x = torch.where(seen.dense(x, torch.bool), torch.where(x > 0, x / penalty, x * penalty), x)
+    if generated.rows:
+        counts = generated.dense(x, x.dtype, accumulate=True)
+        frequency, presence = (torch.tensor([getattr(r.params, f) for r in rows], dtype=x.dtype, device=x.device)
+                               .unsqueeze(1) for f in ("frequency_penalty", "presence_penalty"))
+        x = x - frequency * counts - presence * (counts > 0).to(x.dtype)
     return x
