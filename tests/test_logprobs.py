@@ -168,14 +168,19 @@ def reference_joint(path, prompt, params, n_tokens):
     return joint
 
 
-def test_sampled_processors_follow_the_processed_distribution(tmp_path):
+@pytest.mark.parametrize("spec", [
+    {"num_speculative_tokens": 2, "adaptive": False},
+    {"num_speculative_tokens": 2, "adaptive": False, "verification": "block"},
+    {"num_speculative_tokens": 1, "adaptive": False, "draft_sampling": "greedy"},
+    {"num_speculative_tokens": 2, "adaptive": False, "scorer": "batch_expansion"},
+], ids=["token-prob", "block-prob", "token-greedydraft", "batch-expansion"])
+def test_sampled_processors_follow_the_processed_distribution(tmp_path, spec):
     path = peaked_checkpoint(tmp_path, vocab_size=6, eos_token_id=None, bos_token_id=None)
     prompt = [1, 4, 2]
     params = SamplingParams(temperature=1.3, max_tokens=2, ignore_eos=True, repetition_penalty=1.4,
                             frequency_penalty=0.6, presence_penalty=0.3, logit_bias={3: 1.5}, min_p=0.02)
     joint = reference_joint(path, prompt, params, 2)
-    llm = LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": False}, max_num_seqs=512,
-              max_num_batched_tokens=4096, seed=11)
+    llm = LLM(path, speculative_config=spec, max_num_seqs=512, max_num_batched_tokens=4096, seed=11)
     outs = llm.generate(prompt_token_ids=[prompt] * 3000, sampling_params=params, use_tqdm=False)
     assert_follows(outs, joint)
     m = llm.get_metrics()

@@ -155,7 +155,8 @@ def test_graph_mode_hits_give_eager_tokens(tmp_path):
         assert outputs(graph, prompts(), GREEDY) == outputs(eager, prompts(), GREEDY)
     assert graph.get_metrics()["prefix_cache_hits"] > 0 and graph.engine.runner.pass_counts["fused"] > 0
     # requests that read logits (logprobs, processors) take the separate path, its graphs too: same logprobs
-    scored = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, repetition_penalty=1.3)
+    scored = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                            repetition_penalty=1.3)
     fused = graph.engine.runner.pass_counts["fused"]
     ours, theirs = (llm.generate(prompt_token_ids=prompts(), sampling_params=scored, use_tqdm=False)
                     for llm in (graph, eager))
@@ -164,4 +165,6 @@ def test_graph_mode_hits_give_eager_tokens(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 and list(x) == list(y)
                    for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids))
+        assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 and list(x) == list(y)
+                   for x, y, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_token_ids[1:]))
     assert_no_leak(graph)

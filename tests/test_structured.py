@@ -104,6 +104,33 @@ def test_bad_grammars_are_refused_by_name(engines):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_bad_words_and_stop_strings_with_a_tokenizer(engines):
+    """bad_words (tokenised with and without a leading space) and a stop string ending inside an accepted draft
+    block (kept with include_stop_str_in_output): greedy output identical with MTP on and off."""
+    plain = engines["off"].generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                                    use_tqdm=False)
+    tok = engines["off"].get_tokenizer()
+    word = next(w for o in plain for t in o.outputs[0].token_ids for w in [tok.decode([t]).strip()]
+                if w.isalpha() and tok.encode(w, add_special_tokens=False) == [t])   # a whole word the output has
+    stop = plain[2].outputs[0].text[6:9]
+    for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=[word], logprobs=1),
+                   SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                  include_stop_str_in_output=True, logprobs=1)):
+        outs = {name: llm.generate(PROMPTS, params, use_tqdm=False) for name, llm in engines.items()}
+        for name in ("k1", "k3", "k3-adaptive"):
+            assert [o.outputs[0].token_ids for o in outs[name]] == [o.outputs[0].token_ids for o in outs["off"]]
+            assert [o.outputs[0].text for o in outs[name]] == [o.outputs[0].text for o in outs["off"]]
+        for o in outs["off"]:
+            assert len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
+        if params.bad_words:
+            variants = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+            assert all(o.outputs[0].token_ids[i:i + len(ids)] != ids for o in outs["off"] for ids in variants
+                       for i in range(len(o.outputs[0].token_ids)))
+            assert [o.outputs[0].token_ids for o in outs["off"]] != [o.outputs[0].token_ids for o in plain]
+        else:
+            assert outs["off"][2].outputs[0].text.endswith(stop) and outs["off"][2].outputs[0].finish_reason == "stop"
+
+
 def char_tokenizer(path: str) -> None:
     """Six one-character tokens, id 0 the EOS, as a Hugging Face tokenizer in `path`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
