@@ -240,3 +240,11 @@ class EngineConfig:
     overlap: bool = False                     # a model thread runs each step while the engine finishes the one before
     enable_prefix_caching: bool = True        # full blocks of computed KV reused by requests with the same prefix
     cpu_threads: int | None = None            # torch threads per rank on the CPU (None: the node's cores / its ranks)
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer) -> set[int]:
+    """The ids that end a request: the config's EOS ids and the tokenizer's."""
+    ids = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

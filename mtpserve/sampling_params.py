@@ -47,7 +47,6 @@ class SamplingParams:
     all_stop_token_ids: frozenset = field(default=frozenset(), repr=False)   # min_tokens masks these
     bad_words_token_ids: list = field(default_factory=list, repr=False)      # bad_words, tokenised
     hidden_logprobs: bool = field(default=False, repr=False)   # computed only to rank best_of, not returned
-    compiled_grammar: object = field(default=None, repr=False, compare=False)   # structured_outputs, compiled
 
     def __post_init__(self):
         if isinstance(self.stop, str):

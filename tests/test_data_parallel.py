@@ -289,3 +289,22 @@ def test_metrics_report_each_data_parallel_rank():
     assert 'mtpserve:dp_rank_running{dp_rank="0",model_name="m"} 3.0' in text
     assert 'mtpserve:dp_rank_running{dp_rank="1",model_name="m"} 0.0' in text
     assert 'mtpserve:dp_rank_waiting{dp_rank="0",model_name="m"} 1.0' in text
+
+
+def test_dp2_structured_outputs_match_one_process(tmp_path):
+    """A data-parallel worker rank builds its requests' matchers from the grammar's text: the same tokens as
+    one process, with requests on both ranks."""
+    from test_server import write_checkpoint
+    from test_structured import GRAMMARS, PROMPTS as TEXTS
+    path = write_checkpoint(str(tmp_path / "tok"))
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=GRAMMARS[kind])
+              for kind in ("json", "regex", "choice", "grammar")]
+    want = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float32", speculative_config=spec,
+                                                 max_model_len=256).generate(TEXTS, params, use_tqdm=False)]
+    two = data_parallel(path, speculative_config=spec, max_model_len=256)
+    try:
+        got = [o.outputs[0].token_ids for o in two.generate(TEXTS, params, use_tqdm=False)]
+    finally:
+        two.engine.shutdown()
+    assert got == want

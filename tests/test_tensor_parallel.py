@@ -235,3 +235,23 @@ def test_torchrun_launch_generates_like_one_process(ckpt, tmp_path):
 def free_port() -> int:
     from mtpserve.distributed.launch import free_port
     return free_port()
+
+
+def test_tp2_structured_outputs_match_one_process(tmp_path):
+    """Each rank compiles the request's grammar itself (compiled grammars do not travel) and masks the same
+    positions: TP = 2 gives one process's tokens."""
+    from test_server import write_checkpoint
+    from test_structured import GRAMMARS, PROMPTS as TEXTS, valid
+    path = write_checkpoint(str(tmp_path / "tok"))
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=GRAMMARS[kind])
+              for kind in ("json", "regex", "choice", "grammar")]
+    one = LLM(model=path, dtype="float32", speculative_config=spec, max_model_len=256)
+    want = [o.outputs[0] for o in one.generate(TEXTS, params, use_tqdm=False)]
+    two = tensor_parallel(path, speculative_config=spec, max_model_len=256)
+    try:
+        got = [o.outputs[0] for o in two.generate(TEXTS, params, use_tqdm=False)]
+    finally:
+        two.engine.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(valid(kind, o.text) for kind, o in zip(("json", "regex", "choice", "grammar"), got))

@@ -3,7 +3,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from mtpserve.config import EngineConfig
+from mtpserve.config import EngineConfig, eos_token_ids
 from mtpserve.engine import stats, stops, validation
 from mtpserve.engine.outputs import logprob_dicts, request_output, take_prompt_logprobs
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
@@ -14,7 +14,6 @@ from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front, load_tokenizer
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
-from mtpserve.sampling.grammar import new_grammar_state
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.spec_decode import adaptive, calibration
 from mtpserve.spec_decode.metrics import SpecDecodeMetrics
@@ -57,11 +56,10 @@ class LLMEngine:
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
         self.adaptive = adaptive.AdaptiveK(k) if cfg.speculative and cfg.speculative.adaptive else None
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.grammars = None   # structured outputs: the grammar compiler, made on first use (validation.py)
+        self.setup_path = setup.path
         self.children: dict[str, list[Request]] = {}
         self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
         # overlap: steps run on a model thread; the engine finishes one step's outputs (and the caller handles
@@ -124,7 +122,7 @@ class LLMEngine:
         for i in range(num_run):
             child_id = request_id if num_run == 1 else f"{request_id}#{i}"
             req = Request(child_id, prompt, list(token_ids), params, max_tokens, request_seed(params, i), i, request_id)
-            req.hold_kv, req.grammar = hold_kv, new_grammar_state(params.compiled_grammar)
+            req.hold_kv, req.grammar = hold_kv, validation.grammar_state(self, params)
             children.append(req)
             self.requests[child_id] = req
             if dp > 1:

@@ -109,3 +109,4 @@ def load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+

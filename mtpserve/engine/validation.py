@@ -1,6 +1,7 @@
 """A request's checks before it enters the engine: a ValueError that names the field and the limit."""
 import dataclasses
 
+from mtpserve.sampling.grammar import GrammarState, compiler_for
 from mtpserve.sampling_params import SamplingParams
 
 
@@ -24,10 +25,10 @@ def prepare_params(engine, params: SamplingParams) -> SamplingParams:
                 if ids and ids not in bad_words:
                     bad_words.append(ids)
     hidden = params.best_of is not None and params.best_of > params.n and params.logprobs is None
-    compiled = None if params.structured_outputs is None else grammar_compiler(engine).compile(params.structured_outputs)
+    if params.structured_outputs is not None:   # (refused here if it does not compile; cached for the request)
+        grammar_compiler(engine).compile(params.structured_outputs)
     return dataclasses.replace(params, all_stop_token_ids=frozenset(stop_ids), bad_words_token_ids=bad_words,
-                               logprobs=0 if hidden else params.logprobs, hidden_logprobs=hidden,
-                               compiled_grammar=compiled)
+                               logprobs=0 if hidden else params.logprobs, hidden_logprobs=hidden)
 
 
 def grammar_compiler(engine):
@@ -35,11 +36,15 @@ def grammar_compiler(engine):
     if engine.grammars is None:
         if engine.tokenizer is None:
             raise ValueError("structured_outputs: this model has no tokenizer")
-        if engine.config.tensor_parallel_size > 1 or engine.config.data_parallel_size > 1:
-            raise ValueError("structured_outputs: not supported with tensor or data parallelism yet")
-        from mtpserve.sampling.grammar import GrammarCompiler
-        engine.grammars = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+        engine.grammars = compiler_for(engine.setup_path, engine.model_config, engine.tokenizer)
     return engine.grammars
+
+
+def grammar_state(engine, params: SamplingParams):
+    """A new request's matcher (None without structured outputs)."""
+    if params.structured_outputs is None:
+        return None
+    return GrammarState(grammar_compiler(engine).compile(params.structured_outputs))
 
 
 def check_request(engine, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from mtpserve.engine.request import Request, request_seed
 from mtpserve.engine.scheduler import ScheduledRequest
+from mtpserve.sampling.grammar import GrammarState
 
 
 @dataclass
@@ -66,8 +67,9 @@ class StepSender:
 class RequestMirror:
     """Worker side: the running requests as far as the runner needs them."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, grammars=None):
+        """grammars(): this rank's structured-outputs compiler (engine/setup.py), made on first use."""
+        self.device, self.grammars, self.compiler = device, grammars, None
         self.requests: dict[str, Request] = {}
 
     def apply(self, msg: StepMessage) -> list[ScheduledRequest]:
@@ -78,8 +80,11 @@ class RequestMirror:
             tokens = item.new_token_ids
             if item.first_seen is not None:   # (its first message carries the whole prompt)
                 params, index, num_prompt = item.first_seen
-                self.requests[item.request_id] = Request(item.request_id, None, tokens[:num_prompt], params, 0,
-                                                         request_seed(params, index), index)
+                req = Request(item.request_id, None, tokens[:num_prompt], params, 0, request_seed(params, index), index)
+                if params.structured_outputs is not None:   # (each rank its own matcher, on the same tokens)
+                    self.compiler = self.compiler or self.grammars()
+                    req.grammar = GrammarState(self.compiler.compile(params.structured_outputs))
+                self.requests[item.request_id] = req
                 tokens = tokens[num_prompt:]
             req = self.requests[item.request_id]
             req.output_token_ids += tokens

@@ -17,6 +17,7 @@ from mtpserve.model.loader import LoadStats, load_model
 from mtpserve.model.parallel import parallel_layout
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.model_runner import ModelRunner, num_drafter_caches
+from mtpserve.sampling.grammar import compiler_for
 from mtpserve.spec_decode.draft_vocab import load_draft_vocab
 
 logger = logging.getLogger("mtpserve")
@@ -140,7 +141,7 @@ def run_rank(setup: RankSetup, rank: int) -> None:
     """A rank other than the front (a spawned worker, or a torchrun / other-node process): build, then serve
     steps until the front says stop."""
     built = build_rank(setup, rank)
-    mirror = RequestMirror(built.runner.device)
+    mirror = RequestMirror(built.runner.device, lambda: compiler_for(setup.path, setup.model_config))
     data_parallel = setup.config.data_parallel_size > 1
     world = setup.launch.world_size
     while (message := receive_step(built.control)) is not None:

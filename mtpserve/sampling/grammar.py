@@ -9,6 +9,7 @@ A draft the grammar forbids ends the path: no mask after it (those positions com
 never used). Masks: True where the token is allowed (EOS once the grammar is complete).
 """
 import json
+import os
 import threading
 from dataclasses import dataclass
 
@@ -117,6 +118,13 @@ class GrammarState:
         return allowed[:self.vocab_size]
 
 
-def new_grammar_state(compiled) -> GrammarState | None:
-    """A request's own matcher over its compiled grammar (None: no structured output)."""
-    return None if compiled is None else GrammarState(compiled)
+def compiler_for(path: str, model_config, tokenizer=None) -> GrammarCompiler:
+    """This process's compiler: the front's engine and each worker rank make their own from the checkpoint's
+    tokenizer (compiled grammars do not travel between processes; the same text compiles the same)."""
+    from mtpserve.config import eos_token_ids
+    if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer is None:
+        raise ValueError("structured_outputs: this model has no tokenizer")
+    return GrammarCompiler(tokenizer, model_config.vocab_size, eos_token_ids(model_config, tokenizer))
