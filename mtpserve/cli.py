@@ -16,8 +16,10 @@ def run_generate(args) -> None:
     if run_non_front_ranks(engine_config(**engine_kwargs(args))):
         return   # this node's ranks served the front until it stopped
     llm = LLM(**engine_kwargs(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                            presence_penalty=args.presence_penalty, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed)
     prompts = args.prompt or DEFAULT_PROMPTS
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -49,6 +51,10 @@ def main(argv=None) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=run_generate)
 
