@@ -16,6 +16,7 @@ from mtpserve.engine.async_engine import AsyncEngine, EngineError, QueueFullErro
 from mtpserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.distributed.launch import free_port
+from mtpserve.serve.protocol import APIError
 from server_processes import server_process
 
 SPEC = {"method": "deepseek_mtp", "num_speculative_tokens": 1, "adaptive": False}
@@ -59,7 +60,8 @@ def server(ckpt, tmp_path_factory):
     args = ["mtpserve.serve.openai_api", "--model", ckpt, "--port", str(port),
             "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4",
             "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "96", "--enforce-eager",
-            "--api-key", API_KEY, "--overlap"]   # (the engine without overlap: every other test)
+            "--api-key", API_KEY, "--overlap",   # (the engine without overlap: every other test)
+            "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3"]
     url = f"http://127.0.0.1:{port}"
     with server_process(args, url, tmp_path_factory.mktemp("server_log") / "server.log"):
         yield url
@@ -666,8 +668,14 @@ def test_tool_calls_named_and_required(client):
     deltas = [c.choices[0].delta.tool_calls for c in stream if c.choices and c.choices[0].delta.tool_calls]
     assert deltas[-1][0].function.arguments == call.function.arguments
     assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
-    for bad, param in (({"tool_choice": "auto"}, "tool_choice"),   # (this server has no --tool-call-parser)
-                       ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    auto = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=8,
+                                          temperature=0)   # ("auto": this model writes no DeepSeek call tokens)
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
+    assert auto.choices[0].finish_reason in ("stop", "length")
+    from mtpserve.serve.tools import parse_tools
+    with pytest.raises(APIError, match="--enable-auto-tool-choice"):   # (a server without a parser)
+        parse_tools({"tools": [WEATHER]}, None)
+    for bad, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
                        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=4, **bad)
