@@ -80,7 +80,7 @@ def test_bench_latency(ckpt, tmp_path):
 
 
 def test_bench_latency_eager_and_graph_side_by_side(ckpt, tmp_path):
-    """--modes eager,graph: one engine per (mode, k), the graph-over-eager ratios, the seed's graph table. (The
+    """--modes eager,graph: one engine per (mode, k), the graph-over-eager ratios, vllm-ascend's graph table. (The
     separate graphs: the fused step's two, greedy and sampled, would double the compile time of a test of the
     bench tool; tests/test_graphs.py tests the fused step.)"""
     from mtpserve.bench import report

@@ -1,5 +1,5 @@
 """The MTP modules are exactly DeepSeek's: depth 1 equals transformers' MTP implementation
-(transformers.modeling_layers.MtpModel) on the same checkpoint; deeper depths equal DESIGN.md's formula
+(transformers.modeling_layers.MtpModel) on the same checkpoint; deeper depths equal DeepSeek-V3's formula
     x = eh_proj(cat[enorm(embed(t[p+k+1])), hnorm(h_k[p])]),  h_{k+1} = block(x),
     logits_k = shared_head.head(shared_head.norm(h_{k+1}))
 where h_0 is the main model's final-normed hidden state and h_{k+1} (before shared_head.norm) feeds the

@@ -25,7 +25,8 @@ from mtpserve.model.checkpoint import write_random_checkpoint
 from mtpserve.model.loader import LoadStats, load_model, quantize_fp8_blockwise
 from mtpserve.model.parallel import TensorParallel, shard_kind, shard_slices
 from mtpserve.spec_decode import adaptive
-from rank_processes import (STARTED, assert_same_scores, scored_outputs, count_graph_runs, end_workers, record_workers, reference,  # noqa: F401
+from rank_processes import (STARTED, assert_same_scores, scored_outputs,  # noqa: F401
+                             count_graph_runs, end_workers, record_workers, reference,
                              watchdog)
 from test_adaptive import forcing
 from tiny_models import trained_checkpoint

@@ -62,8 +62,10 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str = "b",
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     start = time.perf_counter()
     for i, (rid, p) in enumerate(zip(ids, prompts)):
-        params = SamplingParams(**{"temperature": temperature, "max_tokens": output_len, "seed": i if temperature > 0
-                                   else None, "ignore_eos": "structured_outputs" not in (fields or {}), **(fields or {})})
+        fields = fields or {}   # (a grammar ends the output itself: no ignore_eos)
+        params = SamplingParams(**{"temperature": temperature, "max_tokens": output_len,
+                                   "seed": i if temperature > 0 else None,
+                                   "ignore_eos": "structured_outputs" not in fields, **fields})
         engine.add_request(rid, None, p, params)
     emissions = {rid: [] for rid in ids}
     tokens, num_steps = {}, 0
@@ -210,7 +212,7 @@ def add_ratios(results: list[dict]) -> None:
         if r.get("mode") == "graph" and e is not None:
             r["graph_tpot_speedup_vs_eager"] = e["tpot_ms"]["mean"] / r["tpot_ms"]["mean"]
             e0 = base.get((r["batch_size"], "eager"))
-            if r["k"] and e0 is not None:   # the seed's "acceleration": eager no-MTP TPOT over this TPOT
+            if r["k"] and e0 is not None:   # vllm-ascend's "acceleration": eager no-MTP TPOT over this TPOT
                 r["tpot_speedup_vs_eager_no_mtp"] = e0["tpot_ms"]["mean"] / r["tpot_ms"]["mean"]
 
 

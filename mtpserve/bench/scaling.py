@@ -1,7 +1,7 @@
 """`mtpserve bench scaling`: how a checkpoint lays out over N devices, from its config.json alone.
 
 For tensor parallelism (TP=N, what mtpserve runs today) and for data-parallel attention with expert parallelism
-(DP=N, EP=N: the seed's deployment), per device: weight bytes, KV bytes per token and the tokens
+(DP=N, EP=N: vllm-ascend's deployment), per device: weight bytes, KV bytes per token and the tokens
 of KV that fit, and the bytes each device sends per decode step. Parameter counts follow the model code
 (model/parallel.py says what is split); FP8 counts DeepSeek's FP8 tensors (every linear weight but the
 router, embedding and head) at one byte.

@@ -6,7 +6,7 @@
 A producer (prefill server) answers a request carrying `kv_transfer_params: {"do_remote_decode": true}` with
 its first token and the params a decode server needs; the request's KV blocks stay held until pulled, or until
 kv_transfer_timeout. A consumer (decode server) given `kv_transfer_params: {"do_remote_prefill": true, ...}`
-pulls the hand-off (kv_pull_timeout) and continues the request. `mtp_handoff` picks the seed's scheme
+pulls the hand-off (kv_pull_timeout) and continues the request. `mtp_handoff` picks vllm-ascend's scheme
 (disagg/handoff.py); a request may override it in its kv_transfer_params.
 """
 import asyncio

@@ -1,4 +1,4 @@
-"""What a prefill engine hands a decode engine, in the seed's two schemes, and how each side makes or takes it.
+"""What a prefill engine hands a decode engine, in vllm-ascend's two schemes, and how each side makes or takes it.
 
 Scheme 1 ("drafts"): the prefill side ran the MTP prefill pass and drafting; it ships the main and MTP latent
 KV of every computed position, the first token and the k drafts (with their distribution when sampled). The

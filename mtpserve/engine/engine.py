@@ -1,4 +1,4 @@
-"""The engine loop: schedule -> execute -> update (DESIGN.md section 2)."""
+"""The engine loop: schedule -> execute -> update."""
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor

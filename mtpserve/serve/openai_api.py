@@ -201,7 +201,8 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
         """A prefill server's answer: the first token, and where a decode server pulls the rest from."""
         engine_request_id, parked = f"{request_id}-0", False
         try:
-            collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat, loop_tokenizer))
+            collecting = asyncio.ensure_future(generation.collect(streams, req, request_id, model, chat,
+                                                                  loop_tokenizer))
             await _first_of(collecting, asyncio.ensure_future(_wait_for_disconnect(request)))
             if not collecting.done() or collecting.cancelled():
                 return Response(status_code=499)

@@ -92,7 +92,7 @@ class MTPProposer:
             prefix = s.req.mtp_prefix_hidden if s.samples else None
             first = s.start - (prefix is not None)
             row_tokens = tokens[first + 1:s.start + own + 1]
-            if static:   # the seed's static shapes: 1+k tokens (their KV written), the layer run at the accepted index
+            if static:   # vllm-ascend's static shapes: 1+k tokens (their KV written), run at the accepted index
                 row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - own - (s.start - first))
             row_sources = list(range(offsets[i], offsets[i] + len(row_tokens) - (s.start - first)))
             if prefix is not None:

@@ -105,7 +105,7 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     """
     draft_tokens: [B, k] long — the drafts d_1..d_k.
     draft_probs:  [B, k, V] float — q_j, the distribution d_j was drawn from; None means the drafts were the
-                  draft model's argmax and q_j is one-hot at d_j (the seed's shortcut; still exact).
+                  draft model's argmax and q_j is one-hot at d_j (vllm-ascend's shortcut; still exact).
     target_probs: [B, k+1, V] float — p_j, the target distribution at each verified position (after
                   temperature/top-k/top-p); greedy requests pass one-hot argmax rows (exactly greedy matching).
     uniforms:     [B, k] in [0, 1) — one U per draft position (None when every row is coupled).
