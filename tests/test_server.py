@@ -550,6 +550,9 @@ def test_every_vllm_field_is_honoured_or_refused_by_name(server):
         r = httpx.post(server + ("/v1/chat/completions" if chat else "/v1/completions"), headers=AUTH, timeout=30,
                        json={**body, "max_tokens": 1, name: asking})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+    r = httpx.post(server + "/v1/completions", headers=AUTH, timeout=30,   # a field nobody defines
+                   json={"prompt": "x", "max_tokens": 1, "temperatur": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperatur", r.text
 
 
 LM_EVAL_TASK = """task: mtp_tiny_{kind}

@@ -2,9 +2,9 @@
 
 Parsing never trusts the body: each field is type-checked here, and ranges are checked here (the limits
 below) and by SamplingParams.validate() and the engine (top_k and token ids against the vocabulary); any
-problem raises APIError naming the field and the limit (HTTP 400 in OpenAI's error format). Unknown fields
-are ignored, as OpenAI clients send extras; every field of vLLM's request models is honoured or refused
-(SAMPLING_FIELDS, OTHER_FIELDS, UNSUPPORTED_UNLESS).
+problem raises APIError naming the field and the limit (HTTP 400 in OpenAI's error format). Every field of
+vLLM's request models is honoured or refused (fields.py: SAMPLING_FIELDS, OTHER_FIELDS, UNSUPPORTED_UNLESS);
+a field in none of them is refused too, never accepted and ignored.
 """
 import math
 from dataclasses import dataclass, field
@@ -138,6 +138,9 @@ def parse_sampling(body: dict, chat: bool) -> dict:
 def _parse_common(body, chat: bool) -> GenerationRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - OTHER_FIELDS - set(UNSUPPORTED_UNLESS))
+    if unknown:   # (a field we do not know would otherwise be accepted and ignored)
+        raise APIError(f"'{unknown[0]}' is not a field of this API", param=unknown[0])
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError("'model' must be a string", param="model")
