@@ -66,12 +66,13 @@ class SamplingParams:
         """Some logits processor acts on this request's distributions (sampling/processors.py)."""
         return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
                     or self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
-                    or self.min_tokens or self.min_p or self.structured_outputs is not None)
+                    or self.min_tokens or self.structured_outputs is not None)
 
     @property
     def wants_logits(self) -> bool:
-        """Its steps need the target's logits on the host side (processors or logprobs): no fused step."""
-        return self.processes_logits or self.logprobs is not None or self.prompt_logprobs is not None
+        """Its steps need the target's logits on the host side (processors, min_p, logprobs): no fused step."""
+        return (self.processes_logits or self.min_p > 0 or self.logprobs is not None
+                or self.prompt_logprobs is not None)
 
     def validate(self) -> None:
         def bad(name, why):

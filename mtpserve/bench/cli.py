@@ -283,7 +283,7 @@ def _server_vocab(args):
     """Prompts are token ids below the model's vocab: --model (the server's checkpoint) gives the vocab size
     and tokenizer (stdlib-source prompts); without it, random ids below 256 (safe for any checkpoint we make)."""
     if args.model:
-        from mtpserve.engine.setup import load_tokenizer
+        from mtpserve.model.loader import load_tokenizer
         with open(f"{args.model}/config.json") as f:
             return json.load(f)["vocab_size"], load_tokenizer(args.model)
     return 256, None

@@ -11,9 +11,10 @@ from mtpserve.engine.flight import Flight, snapshot
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import Request, RequestOutput, request_seed
 from mtpserve.engine.scheduler import Scheduler
-from mtpserve.engine.setup import engine_config, engine_setup, is_front, load_tokenizer
+from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
+from mtpserve.model.loader import load_tokenizer
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.spec_decode import adaptive, calibration
 from mtpserve.spec_decode.metrics import SpecDecodeMetrics
@@ -59,7 +60,6 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.grammars = None   # structured outputs: the grammar compiler, made on first use (validation.py)
-        self.setup_path = setup.path
         self.children: dict[str, list[Request]] = {}
         self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
         # overlap: steps run on a model thread; the engine finishes one step's outputs (and the caller handles
@@ -196,15 +196,14 @@ class LLMEngine:
             req = s.req
             if gone:
                 continue
-            failed = isinstance(r, Exception) or req.is_finished   # (a sibling failed this step)
-            if not failed:
-                take_prompt_logprobs(req, r, self.tokenizer)
-            if failed:
+            if isinstance(r, Exception) or req.is_finished:   # (a sibling failed this step)
                 self._fail(req, r, now)
-            elif not s.samples:
-                req.num_computed_tokens += s.num_new_tokens
             else:
-                appended.append((req, self._commit(req, r, now)))
+                take_prompt_logprobs(req, r, self.tokenizer)
+                if s.samples:
+                    appended.append((req, self._commit(req, r, now)))
+                else:
+                    req.num_computed_tokens += s.num_new_tokens
             if not req.is_finished:
                 self.scheduler.computed(req)
             if req.parent_id not in progressed:

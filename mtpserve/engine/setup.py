@@ -100,13 +100,3 @@ def run_non_front_ranks(cfg: EngineConfig) -> bool:
     finally:
         end_processes(others, timeout=30)
     return True
-
-
-def load_tokenizer(path: str):
-    """The checkpoint's tokenizer (transformers), or None when it ships none."""
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(
-            os.path.join(path, "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
-

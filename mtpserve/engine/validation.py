@@ -34,9 +34,7 @@ def prepare_params(engine, params: SamplingParams) -> SamplingParams:
 def grammar_compiler(engine):
     """The engine's structured-outputs compiler (sampling/grammar.py), made on first use."""
     if engine.grammars is None:
-        if engine.tokenizer is None:
-            raise ValueError("structured_outputs: this model has no tokenizer")
-        engine.grammars = compiler_for(engine.setup_path, engine.model_config, engine.tokenizer)
+        engine.grammars = compiler_for(engine.model_config, engine.tokenizer)
     return engine.grammars
 
 

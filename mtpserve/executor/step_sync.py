@@ -68,7 +68,7 @@ class RequestMirror:
     """Worker side: the running requests as far as the runner needs them."""
 
     def __init__(self, device, grammars=None):
-        """grammars(): this rank's structured-outputs compiler (engine/setup.py), made on first use."""
+        """grammars(): this rank's structured-outputs compiler (sampling/grammar.py), made on first use."""
         self.device, self.grammars, self.compiler = device, grammars, None
         self.requests: dict[str, Request] = {}
 

@@ -13,7 +13,7 @@ from mtpserve.config import EngineConfig, ModelConfig
 from mtpserve.distributed.launch import Launch, join, leave, rank_device
 from mtpserve.executor.step_sync import (PASS_COUNTS, RequestMirror, gather_to_front, receive_step,
                                          without_draft_probs)
-from mtpserve.model.loader import LoadStats, load_model
+from mtpserve.model.loader import LoadStats, load_model, load_tokenizer
 from mtpserve.model.parallel import parallel_layout
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.model_runner import ModelRunner, num_drafter_caches
@@ -141,7 +141,7 @@ def run_rank(setup: RankSetup, rank: int) -> None:
     """A rank other than the front (a spawned worker, or a torchrun / other-node process): build, then serve
     steps until the front says stop."""
     built = build_rank(setup, rank)
-    mirror = RequestMirror(built.runner.device, lambda: compiler_for(setup.path, setup.model_config))
+    mirror = RequestMirror(built.runner.device, lambda: compiler_for(setup.model_config, load_tokenizer(setup.path)))
     data_parallel = setup.config.data_parallel_size > 1
     world = setup.launch.world_size
     while (message := receive_step(built.control)) is not None:

@@ -246,3 +246,12 @@ def _use_mtp_copy(model: DeepseekV3ForCausalLM, name: str, t: torch.Tensor) -> N
         head = torch.nn.Linear(t.shape[1], t.shape[0], bias=False, device="meta")
         _set_param(head, "weight", t)
         layer.shared_head.head = head
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer (transformers), or None when it ships none."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(
+            os.path.join(path, "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)

@@ -9,7 +9,6 @@ A draft the grammar forbids ends the path: no mask after it (those positions com
 never used). Masks: True where the token is allowed (EOS once the grammar is complete).
 """
 import json
-import os
 import threading
 from dataclasses import dataclass
 
@@ -54,7 +53,6 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         import xgrammar
-        self.xgr, self.vocab_size = xgrammar, vocab_size
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(eos_token_ids))
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
@@ -90,7 +88,7 @@ class GrammarState:
 
     def __init__(self, compiled):
         import xgrammar
-        self.xgr, self.vocab_size = xgrammar, compiled.tokenizer_info.vocab_size
+        self.vocab_size = compiled.tokenizer_info.vocab_size
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.tokens: list[int] = []
         self.bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
@@ -118,13 +116,10 @@ class GrammarState:
         return allowed[:self.vocab_size]
 
 
-def compiler_for(path: str, model_config, tokenizer=None) -> GrammarCompiler:
+def compiler_for(model_config, tokenizer) -> GrammarCompiler:
     """This process's compiler: the front's engine and each worker rank make their own from the checkpoint's
     tokenizer (compiled grammars do not travel between processes; the same text compiles the same)."""
     from mtpserve.config import eos_token_ids
-    if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer is None:
         raise ValueError("structured_outputs: this model has no tokenizer")
     return GrammarCompiler(tokenizer, model_config.vocab_size, eos_token_ids(model_config, tokenizer))

@@ -225,8 +225,10 @@ class _ChoiceState:
         self.view = responses.ChoiceView(req, chat, tokenizer)
         self.holdback = max((len(s) for s in req.sampling.get("stop") or []), default=1) - 1
         self.sent_chars, self.sent_ids, self.sent_tokens, self.done = {}, {}, {}, set()
+        self.sent_offset = {}   # completions logprobs: the text_offset of the next token sent
 
-    def chunks(self, idx: int, out, c) -> list[str]:
+    def chunks(self, idx: int, out, c, usage: dict | None = None) -> list[str]:
+        """The chunk this output adds to choice idx (none, or one); usage: the usage so far, to carry."""
         if idx in self.done:
             return []
         finished = c.finish_reason is not None
@@ -245,18 +247,20 @@ class _ChoiceState:
             ids = c.token_ids[self.sent_ids.get(idx, 0):]
             self.sent_ids[idx] = len(c.token_ids)
         logprobs, sent = None, self.sent_tokens.get(idx, 0)
-        shown, entries = self.view.tokens(out, c)
+        _, entries = self.view.tokens(out, c)
         if entries is not None and len(entries) > sent:
-            offset = sum(len(self.view.token_text(t)) for t in shown[:sent]) if not self.chat else 0
-            logprobs = self.view.logprobs(out, c, sent, offset)
+            logprobs = self.view.logprobs(out, c, sent, self.sent_offset.get(idx, 0))
             self.sent_tokens[idx] = len(entries)
+            if not self.chat:
+                self.sent_offset[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         if finished:
             self.done.add(idx)
         if not (delta or finished or ids or logprobs):
             return []
-        return [_sse(responses.stream_chunk(self.request_id, self.model, self.created, self.chat, idx, delta,
-                                            finish if finished else None, token_ids=ids, logprobs=logprobs,
-                                            tool_calls=calls))]
+        chunk = responses.stream_chunk(self.request_id, self.model, self.created, self.chat, idx, delta,
+                                       finish if finished else None, token_ids=ids, logprobs=logprobs,
+                                       tool_calls=calls)
+        return [_sse(chunk if usage is None else chunk | {"usage": usage})]
 
     def usage(self, outs: dict) -> dict:
         return _finished_usage(outs, self.req)
@@ -278,11 +282,8 @@ async def stream_sse(streams, req: protocol.GenerationRequest, request_id: str, 
             async for i, out in outputs:
                 latest[i] = out
                 for c in out.outputs:
-                    for line in state.chunks(i * n + c.index, out, c):
-                        if req.continuous_usage_stats:
-                            chunk = json.loads(line[len("data: "):])
-                            chunk["usage"] = state.usage(latest)
-                            line = _sse(chunk)
+                    usage = state.usage(latest) if req.continuous_usage_stats else None
+                    for line in state.chunks(i * n + c.index, out, c, usage):
                         yield line
                 if out.finished:
                     finals[i] = out

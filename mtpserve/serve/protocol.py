@@ -9,6 +9,7 @@ a field in none of them is refused too, never accepted and ignored.
 import math
 from dataclasses import dataclass, field
 
+from mtpserve.sampling_params import MAX_LOGPROBS
 from mtpserve.serve.errors import APIError, error_body  # noqa: F401 (the names callers use)
 from mtpserve.serve.fields import (OTHER_FIELDS, SAMPLING_FIELDS, UNSUPPORTED_UNLESS,  # noqa: F401
                                    parse_structured, structured_field)
@@ -19,7 +20,6 @@ MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEQUENCES_PER_REQUEST = 256   # prompts x n
-MAX_LOGPROBS = 20                 # vLLM's default max_logprobs
 
 
 def check_text(name: str, text: str) -> str:

@@ -4,6 +4,7 @@ import uuid
 
 from mtpserve.serve import tools
 
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -41,7 +42,7 @@ def completion_logprobs(token_ids: list[int], entries: list, token_text, offset:
     prompt token). offset: text_offset of the first token."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, entry in zip(token_ids, entries):
-        text = token_text(t)
+        text = token_text(t, None if entry is None else entry[t])
         out["tokens"].append(text)
         out["text_offset"].append(offset)
         offset += len(text)
@@ -50,7 +51,7 @@ def completion_logprobs(token_ids: list[int], entries: list, token_text, offset:
         if entry is not None:   # (tokens with one text, e.g. partial UTF-8 bytes: the scored one's, then the likeliest)
             top = {}
             for i, lp in entry.items():
-                top.setdefault(token_text(i), _finite(lp.logprob))
+                top.setdefault(token_text(i, lp), _finite(lp.logprob))
         out["top_logprobs"].append(top)
     return out
 
@@ -58,7 +59,7 @@ def completion_logprobs(token_ids: list[int], entries: list, token_text, offset:
 def chat_logprobs(token_ids: list[int], entries: list, token_text, top_n: int) -> dict:
     """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the top_n most likely."""
     def item(t, lp):
-        text = token_text(t)
+        text = token_text(t, lp)
         return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
     content = []
     for t, entry in zip(token_ids, entries):
@@ -100,10 +101,11 @@ class ChoiceView:
         self.req, self.chat, self.tokenizer = req, chat, tokenizer
         self.top_n = req.sampling.get("logprobs")
 
-    def token_text(self, t: int) -> str:
+    def token_text(self, t: int, lp=None) -> str:
+        """Token t's text in logprobs: its Logprob's decoded_token (the engine's) when it has one."""
         if self.req.tokens_as_ids or self.tokenizer is None:
             return f"token_id:{t}"
-        return self.tokenizer.decode([t])
+        return lp.decoded_token if lp is not None and lp.decoded_token is not None else self.tokenizer.decode([t])
 
     def prompt_text(self, out) -> str:
         if out.prompt is not None:
