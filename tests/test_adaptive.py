@@ -178,24 +178,24 @@ def test_calibration_times_every_k_at_each_size(trained1):
     built alone is uncalibrated and drafts the maximum k until it is."""
     from mtpserve.engine.engine import LLMEngine
     spec = {"num_speculative_tokens": 2, "adaptive": True}
-    table = LLM(trained1, speculative_config=spec).engine.adaptive.table
+    table = LLM(trained1, speculative_config=spec).engine.policy.table
     assert set(table) == {0, 1, 2} and all(set(table[k]) == {1, 4, 16, 64} for k in table)
     assert all(s > 0 for k in table for s in table[k].values())
     bare = LLMEngine.from_kwargs(trained1, spec)
-    assert bare.adaptive.table == {} and bare.adaptive.choose(4) == 2
+    assert bare.policy.table == {} and bare.policy.choose(4) == 2
 
 
 def test_calibration_times_batches_one_step_takes_at_the_largest_k(trained1):
     """With a token budget of 8, a step verifies at most 2 requests at k = 3 (4 tokens each): the calibration
     times batch sizes 1 and 2 only, every k at both (a batch of 4 would be cut into steps of 2 at k = 3)."""
     llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, max_num_batched_tokens=8)
-    table = llm.engine.adaptive.table
+    table = llm.engine.policy.table
     assert set(table) == {0, 1, 2, 3} and all(set(table[k]) == {1, 2} for k in table)
 
 
 def test_adaptive_engine_picks_and_reports_k(trained1):
     llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
-    costs = llm.engine.adaptive.table
+    costs = llm.engine.policy.table
     assert set(costs) == {0, 1, 2} and all(costs[k] for k in costs)   # calibrated at start-up, every k
     assert all({1, 4, 16, 64} <= set(costs[k]) for k in costs)         # ... at 1, 4, 16 and max_num_seqs
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -220,10 +220,10 @@ def test_mtp_adapts_by_default_and_adaptive_false_keeps_k(trained1):
     fixed = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": False})
     outs = fixed.generate(prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)
     m = fixed.get_metrics()
-    assert fixed.engine.adaptive is None and "draft_steps_by_k" not in m
+    assert not fixed.engine.policy.adapts and "draft_steps_by_k" not in m
     assert m["num_draft_tokens"] == 2 * m["num_drafts"] > 0
     default = LLM(trained1, speculative_config={"num_speculative_tokens": 2})
-    assert default.engine.adaptive is not None and default.engine.adaptive.max_k == 2
+    assert default.engine.policy.adapts and default.engine.policy.max_k == 2
     again = default.generate(prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     assert sum(default.get_metrics()["draft_steps_by_k"]) > 0

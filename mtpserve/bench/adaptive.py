@@ -70,10 +70,10 @@ def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int,
     for it in range(num_iters):
         for bs in batch_sizes:
             batch, tag = prompts[it * bs:(it + 1) * bs], f"i{it}b{bs}"
-            before = list(adaptive.adaptive.choices)
+            before = list(adaptive.policy.choices)
             runs = run_lockstep(engines, batch, output_len, tag) if lockstep else {
                 name: run_batch(eng, batch, output_len, tag=tag) for name, eng in engines.items()}
-            chosen[bs] = [c + n - b for c, n, b in zip(chosen[bs], adaptive.adaptive.choices, before)]
+            chosen[bs] = [c + n - b for c, n, b in zip(chosen[bs], adaptive.policy.choices, before)]
             for name, r in runs.items():
                 rates[(bs, name)].append((r["num_output_tokens"], r["duration"]))
                 tokens[(bs, name)].append(r["tokens"])
@@ -96,9 +96,9 @@ def run_adaptive(model: str, max_k: int, batch_sizes: list[int], input_len: int,
                          median_iteration_ratio_vs_best_fixed=ratio(f"adaptive_k{max_k}", best),
                          mean_acceptance_length={n: common.mean(lengths[(bs, n)]) for n in engines},
                          outputs_match_no_mtp=all(tokens[(bs, n)] == tokens[(bs, "no_mtp")] for n in engines)))
-    return dict(configs=list(engines), rows=rows, final_acceptance_by_position=adaptive.adaptive.acceptance(),
+    return dict(configs=list(engines), rows=rows, final_acceptance_by_position=adaptive.policy.acceptance(),
                 calibrated_step_ms={k: {b: round(s * 1e3, 3) for b, s in sorted(t.items())}
-                                    for k, t in sorted(adaptive.adaptive.table.items())})
+                                    for k, t in sorted(adaptive.policy.table.items())})
 
 
 def table(res: dict) -> list[str]:

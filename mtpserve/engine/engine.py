@@ -54,9 +54,8 @@ class LLMEngine:
                         len(self.runner.graphs.graphs), cfg.graph_batch_sizes,
                         ", every k up to num_speculative_tokens: speculative_config \"adaptive\": false builds one"
                         if cfg.speculative and cfg.speculative.adaptive else "", self.graph_warmup_seconds, cache_dir())
-        k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
-        self.spec_metrics = SpecDecodeMetrics(k) if cfg.speculative else None
-        self.adaptive = adaptive.AdaptiveK(k) if cfg.speculative and cfg.speculative.adaptive else None
+        self.policy = adaptive.make_policy(cfg.speculative)   # how many drafts each step proposes
+        self.spec_metrics = SpecDecodeMetrics(self.policy.max_k)
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.grammars = None   # structured outputs: the grammar compiler, made on first use (validation.py)
@@ -71,13 +70,12 @@ class LLMEngine:
     def calibrate(self) -> None:
         """Start-up, adaptive speculation length: times decode steps of every k (spec_decode/calibration.py);
         until then the policy drafts the maximum k."""
-        if self.adaptive is not None:
-            calibration.calibrate(self, self.adaptive)
+        if self.policy.adapts:
+            calibration.calibrate(self, self.policy)
 
     def reset_stats(self) -> None:
         """Forgets the spec-decode counters and preemption counts (after the calibration's steps)."""
-        if self.spec_metrics is not None:
-            self.spec_metrics = SpecDecodeMetrics(self.spec_metrics.num_speculative_tokens)
+        self.spec_metrics = SpecDecodeMetrics(self.spec_metrics.num_speculative_tokens)
         for core in self.cores:
             core.num_preemptions = 0
             core.block_manager.num_queries = core.block_manager.num_hits = 0
@@ -158,9 +156,8 @@ class LLMEngine:
             return []
         flight, results, progressed, appended = done
         outputs = self._finish_outputs(progressed, appended)
-        if self.adaptive is not None:   # the whole call: the forward and the engine's own work on the step
-            adaptive.observe(self.adaptive, flight.steady_batch, results, flight.k_next,
-                             time.perf_counter() - started)
+        # (the whole call: the forward and the engine's own work on the step)
+        self.policy.observe(flight.steady_batch, results, flight.k_next, time.perf_counter() - started)
         return outputs
 
     def _launch(self) -> Flight | None:
@@ -171,10 +168,8 @@ class LLMEngine:
         self.num_padded_handoff_steps += any(s.req.placeholder_drafts for s in scheduled)
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
-        k_next = steady = None
-        if self.adaptive is not None:
-            k_next = adaptive.plan_drafts(self.adaptive, scheduled)
-            steady = adaptive.steady_batch(scheduled, k_next)
+        k_next = adaptive.plan_drafts(self.policy, scheduled)
+        steady = adaptive.steady_batch(scheduled, k_next)
         if self._model_thread is None:
             results = Future()
             results.set_result(self._execute_isolating(scheduled))
@@ -213,7 +208,7 @@ class LLMEngine:
     def _commit(self, req: Request, r, now: float) -> int:
         """Takes a step's tokens and drafts for req; returns how many tokens it appended."""
         req.num_computed_tokens = req.num_tokens + len(r.new_token_ids) - 1
-        if r.num_drafts and self.spec_metrics is not None:
+        if r.num_drafts:
             self.spec_metrics.record(r.num_drafts, r.num_accepted)
         num_appended, reason = stops.take_tokens(req, r.new_token_ids, self.eos_token_ids)
         if r.logprobs is not None:
@@ -247,8 +242,8 @@ class LLMEngine:
                 if not req.is_finished:
                     self.scheduler.finish(req, "stop")
                 req.metrics.finished_time = now
-        if self.spec_metrics is not None and self.spec_metrics.maybe_log() and self.adaptive is not None:
-            logger.info(adaptive.describe(self.adaptive, len(appended)))
+        if self.spec_metrics.maybe_log():
+            self.policy.log(len(appended))
         outputs = [self._output(pid) for pid in progressed]
         for out in outputs:
             if out.finished:

@@ -18,7 +18,7 @@ class ScheduledRequest:
     start: int                   # position of the first query token (= tokens already in the KV cache)
     num_new_tokens: int          # known tokens computed this step (a prompt chunk, or the pending token)
     draft_token_ids: list[int]   # drafts verified after them (only when the request samples this step)
-    num_next_drafts: int | None = None   # drafts to propose for its next step (None: num_speculative_tokens)
+    num_next_drafts: int = 0     # drafts to propose for its next step (the engine's policy sets it: plan_drafts)
 
     @property
     def samples(self) -> bool:

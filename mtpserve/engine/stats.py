@@ -1,16 +1,14 @@
 """What the engine reports: speculation and prefix-cache counters (get_metrics) and its load (get_stats), summed
 over the data-parallel engine cores."""
-from mtpserve.spec_decode.metrics import SpecDecodeMetrics
 
 
 def metrics(engine) -> dict:
-    out = engine.spec_metrics.as_dict() if engine.spec_metrics else SpecDecodeMetrics(0).as_dict()
+    out = engine.spec_metrics.as_dict()
     queries = sum(c.block_manager.num_queries for c in engine.cores)
     hits = sum(c.block_manager.num_hits for c in engine.cores)
     out.update(prefix_cache_queries=queries, prefix_cache_hits=hits,
                prefix_cache_hit_rate=hits / queries if queries else 0.0)
-    if engine.adaptive is not None:   # steps that drafted k tokens, k = 0..num_speculative_tokens
-        out["draft_steps_by_k"] = list(engine.adaptive.choices)
+    out.update(engine.policy.metrics())
     return out
 
 

@@ -30,7 +30,7 @@ class ScheduledItem:
     block_ids: list[int]
     new_token_ids: list[int]            # tokens of the request the worker has not seen yet
     first_seen: tuple | None = None     # (params, index, prompt length) the first time the request is sent
-    num_next_drafts: int | None = None
+    num_next_drafts: int = 0
 
 
 @dataclass

@@ -16,9 +16,12 @@ the best, so that the next position's acceptance stays measured (k = 0 would nev
 Uncalibrated, the policy drafts max_k. Verification is lossless whatever k is: only the number of drafts changes.
 """
 import bisect
+import logging
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
+
+logger = logging.getLogger("mtpserve")
 
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 4.0   # DeepSeek-V3 reports 85-90% for its MTP module's first draft
 DECAY = 0.995                               # per verified draft: the counts follow a drifting workload
@@ -28,8 +31,28 @@ DRIFT_STEPS = 16                            # steady steps whose time ratios to 
 
 
 @dataclass
+class FixedK:
+    """The policy of a fixed speculation length (and of none: max_k = 0): every step drafts max_k."""
+    max_k: int
+    adapts = False
+
+    def choose_for(self, scheduled) -> int:
+        return self.max_k
+
+    def observe(self, steady: int | None, results, k: int, seconds: float) -> None:
+        pass
+
+    def log(self, batch: int) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {}
+
+
+@dataclass
 class AdaptiveK:
     max_k: int
+    adapts = True
     table: dict = field(default_factory=dict)       # k -> {batch size: calibrated step seconds}
     drift: deque = field(default_factory=lambda: deque(maxlen=DRIFT_STEPS))
     reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
@@ -100,6 +123,30 @@ class AdaptiveK:
         self.choices[k] += 1
         return k
 
+    def choose_for(self, scheduled) -> int:
+        """k for a step's drafting (the next step's verification)."""
+        if self.forced is not None:
+            return self.forced
+        if any(s.req.hold_kv for s in scheduled):   # (a prefill side's hand-off carries every draft and MTP KV)
+            return self.max_k
+        # (a request sampling this step takes at least one token in it)
+        rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
+        return self.choose(len(scheduled), [min(r, self.max_k + 1) for r in rooms if r > 0])
+
+    def observe(self, steady: int | None, results, k: int, seconds: float) -> None:
+        """The acceptance of the drafts a step verified; its time, when it was steady (steady_batch)."""
+        for r in results:
+            if not isinstance(r, Exception) and r.num_drafts:
+                self.observe_verification(r.num_drafts, r.num_accepted)
+        if steady is not None:
+            self.observe_step(steady, k, seconds)
+
+    def log(self, batch: int) -> None:
+        logger.info(describe(self, batch))
+
+    def metrics(self) -> dict:
+        return {"draft_steps_by_k": list(self.choices)}   # steps that drafted k tokens, k = 0..max_k
+
 
 def at_batch(by_batch: dict, batch: int) -> float:
     """The value at this batch size, linear between the nearest sizes timed; outside them, along the line
@@ -120,15 +167,15 @@ def describe(policy: AdaptiveK, batch: int) -> str:
             f"acceptance by position [{accept}], steps by k {policy.choices}")
 
 
-def plan_drafts(policy: AdaptiveK, scheduled) -> int:
+def make_policy(spec) -> FixedK | AdaptiveK:
+    """spec: the SpeculativeConfig (None: no speculation, a fixed k of 0)."""
+    k = spec.num_speculative_tokens if spec is not None else 0
+    return AdaptiveK(k) if spec is not None and spec.adaptive else FixedK(k)
+
+
+def plan_drafts(policy, scheduled) -> int:
     """Picks k for this step's drafting (the next step's verification) and sets it on every request."""
-    if policy.forced is not None:
-        k = policy.forced
-    elif any(s.req.hold_kv for s in scheduled):   # (a prefill side's hand-off carries every draft and MTP KV)
-        k = policy.max_k
-    else:   # (a request sampling this step takes at least one token in it)
-        rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
-        k = policy.choose(len(scheduled), [min(r, policy.max_k + 1) for r in rooms if r > 0])
+    k = policy.choose_for(scheduled)
     for s in scheduled:
         s.num_next_drafts = k
     return k
@@ -139,12 +186,3 @@ def steady_batch(scheduled, k: int) -> int | None:
     if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
         return len(scheduled)
     return None
-
-
-def observe(policy: AdaptiveK, steady: int | None, results, k: int, seconds: float) -> None:
-    """The acceptance of the drafts this step verified; its time, when it was steady."""
-    for r in results:
-        if not isinstance(r, Exception) and r.num_drafts:
-            policy.observe_verification(r.num_drafts, r.num_accepted)
-    if steady is not None:
-        policy.observe_step(steady, k, seconds)

@@ -173,9 +173,7 @@ def fused_graph(runner, scheduled) -> str | None:
     if not scheduled or runner.fused_steps is None:
         return None
     k = len(scheduled[0].draft_token_ids)
-    wanted = runner.spec.num_speculative_tokens
-    if not all(_decodes(s, k) and (wanted if s.num_next_drafts is None else s.num_next_drafts) == k
-               for s in scheduled):
+    if not all(_decodes(s, k) and s.num_next_drafts == k for s in scheduled):
         return None
     what = "fused" if all(s.req.params.greedy for s in scheduled) else "fused_sampled"
     return what if runner.fused_steps.fits_fused(what, scheduled, k) else None

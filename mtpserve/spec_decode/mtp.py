@@ -62,9 +62,8 @@ class MTPProposer:
         return first + ([("mtp0", 1)] if shared_depths else [])
 
     def next_k(self, scheduled) -> int:
-        """Drafts this step proposes: the most any sampling request asks for (adaptive speculation)."""
-        return max((self.spec.num_speculative_tokens if s.num_next_drafts is None else s.num_next_drafts
-                    for s in scheduled if s.samples), default=0)
+        """Drafts this step proposes (the engine's policy set one k for every request: adaptive.plan_drafts)."""
+        return max((s.num_next_drafts for s in scheduled if s.samples), default=0)
 
     def propose(self, scheduled, hidden, offsets, results) -> None:
         """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
