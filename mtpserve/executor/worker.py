@@ -15,6 +15,7 @@ from mtpserve.executor.step_sync import (PASS_COUNTS, RequestMirror, gather_to_f
                                          without_draft_probs)
 from mtpserve.model.loader import LoadStats, load_model, load_tokenizer
 from mtpserve.model.parallel import parallel_layout
+from mtpserve.runner.dp_runner import DataParallelRunner
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.model_runner import ModelRunner, num_drafter_caches
 from mtpserve.sampling.grammar import compiler_for
@@ -110,9 +111,9 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
     if ep is not None and ep.dispatch:   # agreement on a gloo group (CPU tensors) whatever the device
         dp = DataParallelSync(group if device.type == "cpu" else dist.new_group(backend="gloo"), launch.world_size)
     seed = cfg.seed + (rank if dp is not None else 0)   # (data-parallel ranks draw for different requests)
-    runner = ModelRunner(model, num_blocks, cfg.block_size, spec, device, setup.dtype, seed,
-                         cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot,
-                         dp)
+    runner_args = (model, num_blocks, cfg.block_size, spec, device, setup.dtype, seed,
+                   cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot)
+    runner = ModelRunner(*runner_args) if dp is None else DataParallelRunner(*runner_args, dp=dp)
     runner.warm_up_graphs()
     summary = rank_summary(rank, runner, stats, load_rss_rise, load_seconds)
     every = [summary]

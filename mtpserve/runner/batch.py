@@ -1,9 +1,24 @@
-"""The flat varlen batch: query tokens of all rows concatenated, plus the attention metadata."""
+"""The flat varlen batch: query tokens of all rows concatenated, plus the attention metadata; a step's result per
+request."""
 from dataclasses import dataclass
 
 import torch
 
 from mtpserve.model.attention import ABSORB_MAX_QUERY_LEN, AttentionMetadata
+
+
+@dataclass
+class StepResult:
+    """What a step did for one request (the runner's output; the engine commits it)."""
+    new_token_ids: list[int]                 # accepted drafts, then one token from the target model
+    num_drafts: int = 0                      # drafts verified this step
+    num_accepted: int = 0
+    next_drafts: list[int] | None = None
+    next_draft_probs: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None  # the sampled position's hidden state (requests that hold their KV)
+    logprobs: list | None = None             # per new token [(token, logprob, rank), top...] (sampling/logprobs.py)
+    prompt_logprobs: list | None = None      # the same for prompt tokens prompt_logprobs_start.. of this chunk
+    prompt_logprobs_start: int = 0
 
 
 @dataclass

@@ -1,12 +1,11 @@
 """One engine step on the model: the target forward, sampling or verification, then MTP drafting."""
+import dataclasses
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
 from mtpserve.config import SpeculativeConfig
-from mtpserve.runner.batch import Row, build_batch
-from mtpserve.runner.dp_sync import DataParallelSync
+from mtpserve.runner.batch import Row, StepResult, build_batch
 from mtpserve.runner.graphs import GraphRunner
 from mtpserve.sampling import logprobs, processors
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
@@ -15,30 +14,18 @@ from mtpserve.spec_decode.proposer import make_proposer, proposer_class
 from mtpserve.spec_decode.verifier import Verifier
 
 
-@dataclass
-class StepResult:
-    new_token_ids: list[int]                 # accepted drafts, then one token from the target model
-    num_drafts: int = 0                      # drafts verified this step
-    num_accepted: int = 0
-    next_drafts: list[int] | None = None
-    next_draft_probs: torch.Tensor | None = None
-    last_hidden: torch.Tensor | None = None  # the sampled position's hidden state (requests that hold their KV)
-    logprobs: list | None = None             # per new token [(token, logprob, rank), top...] (sampling/logprobs.py)
-    prompt_logprobs: list | None = None      # the same for prompt tokens prompt_logprobs_start.. of this chunk
-    prompt_logprobs_start: int = 0
-
-
 def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
     cls = proposer_class(spec)
     return 0 if cls is None else cls.num_kv_caches(cfg, spec)
 
 
 class ModelRunner:
+    fuses_steps = True   # MTP decode steps run as one function (spec_decode/fused.py); not under DP (dp_runner.py)
+
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
-                 max_span: int = 0, dp: DataParallelSync | None = None):
-        """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot).
-        dp: data-parallel ranks with expert parallelism; every forward is agreed with them (runner/dp_sync.py)."""
+                 max_span: int = 0):
+        """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot)."""
         cfg = model.config
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
         # One more block than the manager hands out: slot -1 (padding) lands in its last row.
@@ -51,15 +38,13 @@ class ModelRunner:
         if graph_batch_sizes:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
                                       max_span, device, spec)
-        self.dp = dp
         self.pass_counts = Counter()   # forwards run: "main", "mtp" and (DP) their dummies
-        self._planned_passes = self._passes_run = self._step_passes = 0
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
-        self.verifier = Verifier(spec, model, self.generator, device) if spec is not None else None
+        self.verifier = Verifier(spec, model, self.generator, device)
         # MTP decode steps (k drafts verified, k drafted) run as one function (spec_decode/fused.py), in one
         # process: compiled in graph mode, for each k a step can verify and draft; eagerly otherwise
-        fuses = (dp is None and self.proposer is not None and self.proposer.fuses_with_verification
+        fuses = (self.fuses_steps and self.proposer is not None and self.proposer.fuses_with_verification
                  and spec.fused_graph_step and spec.synthetic_acceptance is None and spec.scorer == "mqa")
         self.builds_fused_step = fuses and self.graphs is not None
         self.fused_steps = self.graphs if self.builds_fused_step else None
@@ -72,8 +57,6 @@ class ModelRunner:
         """Runs the main model ("main") or MTP layer j ("mtp{j}") on rows: a graph when the rows are uniform
         and fit one, else eagerly. Returns hidden states of every token, or of `output_index` (MTP only)."""
         self.pass_counts["main" if what == "main" else "mtp"] += 1
-        if self.dp is not None:
-            return self._forward_in_step(what, rows, prev_hidden, output_index)
         if self.graphs is not None and self.graphs.fits(what, rows, output_index):
             return self.graphs.run(what, rows, prev_hidden, output_index)
         return self._eager(what, rows, prev_hidden, output_index)
@@ -119,53 +102,8 @@ class ModelRunner:
                                       next_draft_probs=None if probs is None or not k else probs[i]))
         return results
 
-    def _forward_in_step(self, what, rows, prev_hidden, output_index):
-        """Data parallel: the forward every rank runs alike (runner/dp_sync.py); no rows: a dummy one."""
-        if output_index is not None and not output_index:   # a KV-only pass would skip the experts' collectives
-            output_index = None
-        fits = self.graphs is not None and bool(rows) and self.graphs.fits(what, rows, output_index)
-        plan = self.dp.agree(len(output_index) if output_index is not None else sum(len(r.token_ids) for r in rows),
-                             self.graphs.padded_size(len(rows)) if fits else 0,
-                             len(rows[0].token_ids) if fits else 0, bool(rows) and not fits,
-                             self._planned_passes if what == "main" else 0)
-        if what == "main":
-            self._step_passes = plan.mtp_passes
-        else:
-            self._passes_run += 1
-        if not rows:
-            self.pass_counts["dummy_" + ("main" if what == "main" else "mtp")] += 1
-            rows, prev_hidden, output_index = self._dummy_batch(what, plan)
-        self.model.ep.tokens_per_rank = plan.tokens_per_rank
-        if plan.graph is not None:
-            return self.graphs.run(what, rows, prev_hidden, output_index, batch=plan.graph[0])
-        return self._eager(what, rows, prev_hidden, output_index)
-
-    def _dummy_batch(self, what, plan):
-        """One row of padding tokens (slot -1: no KV written), shaped like the graph the others run."""
-        q = plan.graph[1] if plan.graph is not None else 1
-        prev_hidden = None if what == "main" else torch.zeros(q, self.model.config.hidden_size,
-                                                              dtype=self.kv_caches[0].dtype, device=self.device)
-        indexed = plan.graph is not None and self.graphs.indexed(what, q)
-        return [Row([0] * q, 0, [0], 0)], prev_hidden, [0] if indexed else None
-
-    def _mtp_passes(self, scheduled) -> int:
-        """Drafter passes this step runs here (Proposer.num_passes)."""
-        return self.proposer.num_passes(scheduled) if scheduled and self.proposer else 0
-
-    def _finish_dp_step(self) -> None:
-        """Data parallel: the MTP passes the busiest rank runs and this one did not, as dummies."""
-        num_layers = self.model.num_mtp_layers
-        for j in range(self._passes_run, self._step_passes):
-            self.forward(f"mtp{j if j < num_layers else 0}", [])
-
     @torch.inference_mode()
     def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (engine/scheduler.py)
-        if self.dp is not None:
-            self._planned_passes, self._passes_run = self._mtp_passes(scheduled), 0
-            if not scheduled:   # nothing here: the same forwards as the others, on padding
-                self.forward("main", [])
-                self._finish_dp_step()
-                return []
         fused_what = fused.fused_graph(self, scheduled)
         if fused_what is not None:
             return self._fused_step(fused_what, scheduled)
@@ -181,19 +119,18 @@ class ModelRunner:
                 rows.append(Row(tokens, s.start, s.req.block_ids))
             offsets.append(offsets[-1] + max(len(tokens), pad_to))
         hidden = self.forward("main", rows)
-        results = [StepResult([]) for _ in scheduled]
-        self._sample([i for i, s in enumerate(scheduled) if s.samples and not s.draft_token_ids],
-                     scheduled, hidden, offsets, results)
-        verifying = [i for i, s in enumerate(scheduled) if s.samples and s.draft_token_ids]
-        if verifying:
-            self.verifier(verifying, scheduled, hidden, offsets, results)
-        if any(s.req.params.logprobs is not None or s.req.params.prompt_logprobs is not None for s in scheduled):
-            logprobs.attach(self.model, scheduled, hidden, offsets, results)
-        if self.proposer is not None:
-            self.proposer.propose(scheduled, hidden, offsets, results)
-        if self.dp is not None:
-            self._finish_dp_step()
-        return results
+        # each stage reads what the ones before returned: the emitted tokens, then their logprobs, the next drafts
+        emitted = (self._sample([i for i, s in enumerate(scheduled) if s.samples and not s.draft_token_ids],
+                                scheduled, hidden, offsets)
+                   | self.verifier([i for i, s in enumerate(scheduled) if s.samples and s.draft_token_ids],
+                                   scheduled, hidden, offsets))
+        results = [emitted.get(i, StepResult([])) for i in range(len(scheduled))]
+        new_tokens = [r.new_token_ids for r in results]
+        scores = logprobs.read(self.model, scheduled, hidden, offsets, new_tokens)
+        drafts = (self.proposer.propose(scheduled, hidden, offsets, new_tokens) if self.proposer is not None
+                  else [(None, None)] * len(scheduled))
+        return [dataclasses.replace(r, next_drafts=d, next_draft_probs=p, **scored)
+                for r, (d, p), scored in zip(results, drafts, scores)]
 
     def _graph_query_len(self, scheduled) -> int:
         """Drafters other than MTP leave a request without drafts when they find none; in graph mode a decode
@@ -207,9 +144,11 @@ class ModelRunner:
             return 0
         return 1 + max(counts)
 
-    def _sample(self, idx, scheduled, hidden, offsets, results):
+    def _sample(self, idx, scheduled, hidden, offsets) -> dict:
+        """Samples one token for scheduled[i], i in idx -> {i: StepResult([token]), with its hidden state for a
+        request that holds its KV (a prefill server may ship it, disagg scheme 2)}."""
         if not idx:
-            return
+            return {}
         reqs = [scheduled[i].req for i in idx]
         last_hidden = hidden[[offsets[i] + scheduled[i].num_query_tokens - 1 for i in idx]]
         logits = processors.process(self.model.compute_logits(last_hidden),
@@ -221,8 +160,5 @@ class ModelRunner:
             noise = draw([r.seed for r in reqs], [r.num_tokens for r in reqs], 1, probs.shape[-1], "exponential",
                          TARGET_NOISE, self.generator, self.device, [r.params.greedy for r in reqs])
             tokens = sample(probs, noise[:, 0])
-        for j, (i, token) in enumerate(zip(idx, tokens.tolist())):
-            results[i].new_token_ids = [token]
-            if scheduled[i].req.hold_kv:   # a prefill server may ship it (disagg scheme 2)
-                results[i].last_hidden = last_hidden[j].clone()
-
+        return {i: StepResult([token], last_hidden=last_hidden[j].clone() if scheduled[i].req.hold_kv else None)
+                for j, (i, token) in enumerate(zip(idx, tokens.tolist()))}

@@ -9,44 +9,40 @@ rows a step without speculation would have computed one at a time. An entry is
 import torch
 
 
-def attach(model, scheduled, hidden: torch.Tensor, offsets: list[int], results) -> None:
-    """Sets results[i].logprobs for requests that sampled and want them, and results[i].prompt_logprobs
-    (with prompt_logprobs_start: the prompt index of its first entry) for those whose prompt tokens this
-    step's chunk predicts."""
-    rows, targets, owners = [], [], []   # owners: (request index, "out" or "prompt")
+def read(model, scheduled, hidden: torch.Tensor, offsets: list[int], new_tokens: list[list[int]]) -> list[dict]:
+    """Per request, the logprobs it asks for from this step: {"logprobs": an entry per new token} for one that
+    sampled, {"prompt_logprobs": entries, "prompt_logprobs_start": the prompt index of the first} for one whose
+    prompt tokens this step's chunk predicts (StepResult's fields)."""
+    rows, targets, owners = [], [], []   # owners: (request index, "logprobs" or "prompt_logprobs")
     for i, s in enumerate(scheduled):
         p, req = s.req.params, s.req
-        if p.logprobs is not None and s.samples and results[i].new_token_ids:
+        if p.logprobs is not None and s.samples and new_tokens[i]:
             first = offsets[i] + s.num_query_tokens - len(s.draft_token_ids) - 1
-            for j, token in enumerate(results[i].new_token_ids):
+            for j, token in enumerate(new_tokens[i]):
                 rows.append(first + j)
                 targets.append(token)
-                owners.append((i, "out"))
+                owners.append((i, "logprobs"))
         if p.prompt_logprobs is not None:
             prompt = req.prompt_token_ids
             for pos in range(s.start, min(s.start + s.num_new_tokens, len(prompt) - 1)):   # predicts pos + 1
                 rows.append(offsets[i] + pos - s.start)
                 targets.append(prompt[pos + 1])
-                owners.append((i, "prompt"))
+                owners.append((i, "prompt_logprobs"))
+    found = [{} for _ in scheduled]
     if not rows:
-        return
+        return found
     logprobs = model.compute_logits(hidden[rows]).float().log_softmax(-1)
     top_n = max(_wanted(scheduled[i].req.params, kind) for i, kind in owners)
     entries = table(logprobs, torch.tensor(targets, device=logprobs.device), top_n)
     for (i, kind), entry in zip(owners, entries):
-        n = _wanted(scheduled[i].req.params, kind)
-        entry = entry[:1 + n]
-        r = results[i]
-        if kind == "out":
-            r.logprobs = (r.logprobs or []) + [entry]
-        else:
-            if r.prompt_logprobs is None:
-                r.prompt_logprobs, r.prompt_logprobs_start = [], scheduled[i].start + 1
-            r.prompt_logprobs.append(entry)
+        found[i].setdefault(kind, []).append(entry[:1 + _wanted(scheduled[i].req.params, kind)])
+        if kind == "prompt_logprobs":
+            found[i].setdefault("prompt_logprobs_start", scheduled[i].start + 1)
+    return found
 
 
 def _wanted(params, kind: str) -> int:
-    return params.logprobs if kind == "out" else params.prompt_logprobs
+    return params.logprobs if kind == "logprobs" else params.prompt_logprobs
 
 
 def table(logprobs: torch.Tensor, targets: torch.Tensor, top_n: int) -> list[list[tuple]]:

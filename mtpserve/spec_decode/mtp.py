@@ -65,14 +65,16 @@ class MTPProposer:
         """Drafts this step proposes (the engine's policy set one k for every request: adaptive.plan_drafts)."""
         return max((s.num_next_drafts for s in scheduled if s.samples), default=0)
 
-    def propose(self, scheduled, hidden, offsets, results) -> None:
-        """Sets results[i].next_drafts (and next_draft_probs) for every request that sampled this step."""
-        self._run_passes(scheduled, hidden, offsets, results, self.next_k(scheduled))
+    def propose(self, scheduled, hidden, offsets, new_tokens) -> list[tuple]:
+        """Per request, (next drafts, their distributions [k, V] or None for argmax drafts); (None, None) for one
+        that did not sample this step. new_tokens: what each request emitted this step."""
+        drafts = self._run_passes(scheduled, hidden, offsets, new_tokens, self.next_k(scheduled))
         for s in scheduled:   # (only now: a step that raised is run again, engine._execute_isolating)
             if s.samples:
                 s.req.mtp_prefix_hidden = None
+        return drafts
 
-    def _run_passes(self, scheduled, hidden, offsets, results, k: int) -> None:
+    def _run_passes(self, scheduled, hidden, offsets, new_tokens, k: int) -> list[tuple]:
         verified = len(scheduled[0].draft_token_ids) if scheduled else 0
         static = self.static_shapes and all(
             s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == verified for s in scheduled)
@@ -85,9 +87,9 @@ class MTPProposer:
         source, rows, sources, last, drafting = [hidden], [], [], [], []
         num_source = len(hidden)
         for i, s in enumerate(scheduled):
-            accepted = len(results[i].new_token_ids) - 1 if s.samples else 0
+            accepted = len(new_tokens[i]) - 1 if s.samples else 0
             own = s.num_new_tokens + accepted   # positions s.start.. whose next token is now known
-            tokens = s.req.all_token_ids + results[i].new_token_ids
+            tokens = s.req.all_token_ids + new_tokens[i]
             prefix = s.req.mtp_prefix_hidden if s.samples else None
             first = s.start - (prefix is not None)
             row_tokens = tokens[first + 1:s.start + own + 1]
@@ -115,23 +117,24 @@ class MTPProposer:
         source = torch.cat(source) if len(source) > 1 else hidden
         first_outputs = None if exact_depth > 1 else last if drafting or self.static_shapes else []
         out = self.forward("mtp0", rows, source[sources], output_index=first_outputs)
+        none = [(None, None)] * len(scheduled)
         if not drafting and not chain:   # the pass just filled the MTP cache
-            return
+            return none
         reqs = [scheduled[i].req for i in drafting]
-        draft_positions = [scheduled[i].req.num_tokens + len(results[i].new_token_ids) for i in drafting]
+        draft_positions = [scheduled[i].req.num_tokens + len(new_tokens[i]) for i in drafting]
         prev_hidden = out[[last[i] for i in drafting]] if exact_depth > 1 else out[drafting]
         drafts, draft_probs, depth_hidden = [], [], [prev_hidden]
         # the tokens each drafting request has generated past its output by each depth (its processors read them)
-        generated = ([results[i].new_token_ids for i in drafting] if any(r.params.processes_logits for r in reqs)
+        generated = ([new_tokens[i] for i in drafting] if any(r.params.processes_logits for r in reqs)
                      else None)
         if drafting:
             token, probs = self._draft(0, prev_hidden, reqs, draft_positions, generated)
             drafts, draft_probs = [token], [probs]
-        next_pos = [scheduled[i].start + len(results[i].new_token_ids) + scheduled[i].num_new_tokens - 1
+        next_pos = [scheduled[i].start + len(new_tokens[i]) + scheduled[i].num_new_tokens - 1
                     for i in drafting]
         if chain:   # every request's rows, prompt chunks too: they fill the own layers' caches at their positions
             chain_hidden = out   # (one output per row token of the layer before, in order)
-            known = [s.req.all_token_ids + results[i].new_token_ids for i, s in enumerate(scheduled)]
+            known = [s.req.all_token_ids + new_tokens[i] for i, s in enumerate(scheduled)]
         num_layers = self.model.num_mtp_layers
         for j in range(1, max(k, chain_depth)):
             layer = j if j < num_layers else 0
@@ -171,12 +174,11 @@ class MTPProposer:
             depth_hidden.append(prev_hidden)
             next_pos = [p + 1 for p in next_pos]
         if not drafting:
-            return
-        drafts = torch.stack(drafts, dim=1).tolist()
-        for n, i in enumerate(drafting):   # (one k for the whole step: adaptive.plan_drafts)
-            results[i].next_drafts = drafts[n]
-            if draft_probs[0] is not None:
-                results[i].next_draft_probs = torch.stack([p[n] for p in draft_probs])
+            return none
+        drafts = torch.stack(drafts, dim=1).tolist()   # (one k for the whole step: adaptive.plan_drafts)
+        probs = torch.stack(draft_probs, dim=1) if draft_probs[0] is not None else [None] * len(drafting)
+        found = dict(zip(drafting, zip(drafts, probs)))
+        return [found.get(i, (None, None)) for i in range(len(scheduled))]
 
     def _exact_depth(self, scheduled, k: int, handed_over: bool) -> int:
         """The own layers this step runs as trained (chained, each fed the outputs of the one before); the deeper

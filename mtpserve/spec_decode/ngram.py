@@ -62,9 +62,8 @@ class NgramProposer:
     def graph_shapes(self) -> list[tuple[str, int]]:
         return [("main", 1)]   # a request without a match decodes one token
 
-    def propose(self, scheduled, hidden, offsets, results) -> None:
-        """Sets results[i].next_drafts for every request that sampled this step and whose context repeats."""
-        for s, r in zip(scheduled, results):
-            if s.samples:
-                r.next_drafts = find_continuation(s.req.all_token_ids + r.new_token_ids, self.k, self.max_n,
-                                                  self.min_n)
+    def propose(self, scheduled, hidden, offsets, new_tokens) -> list[tuple]:
+        """Per request, (next drafts, None): a continuation for one that sampled this step and whose context
+        repeats, else None."""
+        return [(find_continuation(s.req.all_token_ids + new, self.k, self.max_n, self.min_n) if s.samples else None,
+                 None) for s, new in zip(scheduled, new_tokens)]

@@ -9,7 +9,7 @@ verification of drafts (spec_decode/verify.py) is the same for all of them.
         @classmethod check(model_config, spec)       # refuses a checkpoint it cannot draft for
         @classmethod num_kv_caches(model_config, spec) -> int   # KV caches of its own (per layer it runs)
         @classmethod lookahead_slots(spec) -> int    # KV slots its passes write past the verified tokens
-        propose(scheduled, hidden, offsets, results) # sets results[i].next_drafts (and next_draft_probs)
+        propose(scheduled, hidden, offsets, new_tokens) -> per request (next drafts | None, their probs | None)
         num_passes(scheduled) -> int        # model passes propose() runs (data-parallel ranks agree on them)
         min_last_chunk() -> int             # prompt tokens the last chunk of a chunked prompt must keep
         graph_shapes() -> list[(what, tokens per request)]   # graphs it runs, to compile at start-up

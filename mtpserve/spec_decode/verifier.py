@@ -3,6 +3,7 @@ request is greedy, else token-wise / block / coupled verification (spec_decode/v
 distributions with each request's draws (sampling/sampler.py), or the lossy synthetic-acceptance mode."""
 import torch
 
+from mtpserve.runner.batch import StepResult
 from mtpserve.sampling import processors
 from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
@@ -21,14 +22,16 @@ class Verifier:
     def __init__(self, spec, model, generator: torch.Generator, device):
         self.spec, self.model, self.generator, self.device = spec, model, generator, device
 
-    def __call__(self, idx, scheduled, hidden, offsets, results) -> None:
+    def __call__(self, idx, scheduled, hidden, offsets) -> dict:
         """Verifies the drafts of scheduled[i] for i in idx (hidden: the target's states for the step's flat
-        batch, request i's from offsets[i]); sets results[i].new_token_ids, num_drafts, num_accepted."""
+        batch, request i's from offsets[i]) -> {i: StepResult(new tokens, drafts verified, drafts accepted)}."""
+        verified = {}
         for k in sorted({len(scheduled[i].draft_token_ids) for i in idx}):   # (a step may mix draft lengths)
-            self._verify(k, [i for i in idx if len(scheduled[i].draft_token_ids) == k], scheduled, hidden, offsets,
-                         results)
+            verified |= self._verify(k, [i for i in idx if len(scheduled[i].draft_token_ids) == k], scheduled,
+                                     hidden, offsets)
+        return verified
 
-    def _verify(self, k, idx, scheduled, hidden, offsets, results):
+    def _verify(self, k, idx, scheduled, hidden, offsets) -> dict:
         reqs = [scheduled[i].req for i in idx]
         rows = [offsets[i] + scheduled[i].num_query_tokens - k - 1 + j for i in idx for j in range(k + 1)]
         drafts = torch.tensor([scheduled[i].draft_token_ids for i in idx], device=self.device)
@@ -40,7 +43,7 @@ class Verifier:
             # greedy matching: keep drafts while they equal the target's argmax, then one argmax more
             target_ids = logits.argmax(-1).view(len(idx), k + 1)
             accepted = (drafts == target_ids[:, :k]).long().cumprod(-1).sum(-1)
-            return self._record(idx, target_ids, self._reject_placeholders(reqs, accepted), k, results, reqs)
+            return self._record(idx, target_ids, self._reject_placeholders(reqs, accepted), k, reqs)
         target = request_probs(logits, reqs, [k + 1] * len(idx), self.device).view(len(idx), k + 1, -1)
         seeds, positions = [r.seed for r in reqs], [r.num_tokens for r in reqs]
         greedy = [r.params.greedy for r in reqs]
@@ -64,7 +67,7 @@ class Verifier:
             if placeholder:   # the token after the pending one, drawn from the target alone: a plain sample
                 tokens[placeholder, 0] = sample(target[placeholder, 0], noise[placeholder, 0])
                 accepted = self._reject_placeholders(reqs, accepted)
-        self._record(idx, tokens, accepted, k, results, reqs)
+        return self._record(idx, tokens, accepted, k, reqs)
 
     @staticmethod
     def _reject_placeholders(reqs, accepted: torch.Tensor) -> torch.Tensor:
@@ -75,11 +78,10 @@ class Verifier:
         return accepted
 
     @staticmethod
-    def _record(idx, tokens, accepted, k, results, reqs):
-        for i, row, a, r in zip(idx, tokens.tolist(), accepted.tolist(), reqs):
-            results[i].new_token_ids = row[:a + 1]
-            if not r.placeholder_drafts:   # (placeholders are not drafts: acceptance counts only real ones)
-                results[i].num_drafts, results[i].num_accepted = k, a
+    def _record(idx, tokens, accepted, k, reqs) -> dict:
+        # (placeholders are not drafts: acceptance counts only real ones)
+        return {i: StepResult(row[:a + 1]) if r.placeholder_drafts else StepResult(row[:a + 1], k, a)
+                for i, row, a, r in zip(idx, tokens.tolist(), accepted.tolist(), reqs)}
 
     def _synthetic(self, drafts, target, uniforms, noise):
         """Measurement mode (bench --synthetic-acceptance): each draft passes with a fixed probability,
