@@ -62,7 +62,7 @@ def test_adaptive_prefill_side_hands_off_every_draft_and_mtp_kv(ckpt, monkeypatc
 @pytest.mark.parametrize("k, graphs", [(1, False), (2, False)], ids=["k1-eager", "k2-eager"])
 def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs):
     """Scheme 2: the decode engine gets no drafts and no MTP KV for the last prompt position, only the hidden
-    state there; its first step pads with placeholder drafts (still a graph) and runs the MTP from there."""
+    state there; its first step is an ordinary step without drafts that runs the MTP from there."""
     import torch
     prompts = pattern_batch(torch.Generator().manual_seed(1), 3, 9).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -74,14 +74,14 @@ def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs):
     want = run_to_end(single)
     prefill_engine = LLMEngine.from_kwargs(ckpt, spec)
     decode_engine = LLMEngine.from_kwargs(ckpt, spec, **mode)
-    placeholders, graph_steps = count_placeholder_steps(decode_engine)
+    first_steps, graph_steps = count_first_steps(decode_engine)
     for i, p in enumerate(prompts):
         handoff = prefill(prefill_engine, str(i), None, p, params, scheme="hidden")
         assert handoff.draft_token_ids == [] and handoff.last_hidden is not None
         assert handoff.kv[-1].shape[0] == handoff.kv[0].shape[0] - 1   # the last MTP slot is the decoder's
         add_prefilled(decode_engine, handoff)
     assert run_to_end(decode_engine) == want
-    assert placeholders() == 1   # one first step, all three requests padded in it
+    assert first_steps() == 1   # one first step, all three requests in it, none verifying drafts
     if graphs:
         assert graph_steps() > 0
     assert decode_engine.get_metrics()["num_accepted_tokens"] > 0
@@ -89,13 +89,16 @@ def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs):
     assert dbm.num_free_blocks == dbm.num_blocks
 
 
-def count_placeholder_steps(engine):
-    """(steps verifying placeholder drafts, steps run as graphs) so far."""
+def count_first_steps(engine):
+    """(steps running a handed-over request's first decode step, steps run as graphs) so far; a first step
+    verifies no drafts (scheme 2 hands over none)."""
     runner, counts = engine.runner, [0, 0]
     execute = runner.execute
 
     def counting(scheduled):
-        counts[0] += any(s.req.placeholder_drafts for s in scheduled)
+        first = [s for s in scheduled if s.req.mtp_prefix_hidden is not None]
+        assert all(not s.draft_token_ids for s in first)
+        counts[0] += bool(first)
         return execute(scheduled)
     runner.execute = counting
     if runner.graphs is not None:
@@ -153,26 +156,6 @@ def test_kv_transfer_config_errors_name_the_field(text, message):
     from mtpserve.disagg.connector import KVTransferConfig
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         KVTransferConfig.from_json(text)
-
-
-def test_scheme2_without_padding_equals_single_engine(ckpt):
-    """The unpadded first step (one token, no drafts; what the padding is measured against) is lossless too."""
-    import torch
-    from mtpserve.disagg.handoff import import_handoff
-    prompts = pattern_batch(torch.Generator().manual_seed(2), 3, 9).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    spec = {"num_speculative_tokens": 2, "adaptive": False}
-    single = LLMEngine.from_kwargs(ckpt, spec)
-    for i, p in enumerate(prompts):
-        single.add_request(str(i), None, p, params)
-    want = run_to_end(single)
-    prefill_engine, decode_engine = LLMEngine.from_kwargs(ckpt, spec), LLMEngine.from_kwargs(ckpt, spec)
-    for i, p in enumerate(prompts):
-        import_handoff(decode_engine, prefill(prefill_engine, str(i), None, p, params, scheme="hidden"),
-                       pad_drafts=False)
-        assert not decode_engine.requests[str(i)].placeholder_drafts
-    assert run_to_end(decode_engine) == want
-    assert decode_engine.num_padded_handoff_steps == 0
 
 
 def test_prefix_cache_on_both_sides_of_a_handoff(ckpt):

@@ -2,7 +2,7 @@
 
 Through the proxy, greedy output equals one engine's (the reference: the in-process engine, itself equal to a
 single server elsewhere) in both hand-off schemes, with MTP k=1 (graph-mode decode server) and k=2 (eager decode
-server); scheme 2 takes the padding path and says so in /metrics; every KV block comes back on both sides;
+server); every KV block comes back on both sides;
 faults end in clear errors, not hangs or leaks.
 """
 import json
@@ -110,11 +110,8 @@ def wait_all_free(url: str, seconds: float = 10.0) -> bool:
 def test_greedy_through_the_proxy_equals_one_engine(ckpt, deployments, k, scheme):
     d = deployments[k]
     want = reference(ckpt, k, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    padded_before = metric(d.decode, "mtpserve:disagg_padded_steps_total")
     got = [complete(d.proxies[scheme], p, stream=(i == 0)) for i, p in enumerate(PROMPTS)]
     assert got == want
-    padded = metric(d.decode, "mtpserve:disagg_padded_steps_total") - padded_before
-    assert padded == (len(PROMPTS) if scheme == "hidden" else 0)   # one padded first step per request
     assert metric(d.decode, "mtpserve:spec_decode_num_accepted_tokens_total") > 0
     assert wait_all_free(d.prefill) and wait_all_free(d.decode)
 

@@ -94,7 +94,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pa.add_argument("--tensor-parallel-sizes", default=None, help="comma list: the same as --layouts tp1,tp2,...")
     pa.add_argument("--batch-sizes", default="1,32", help="comma list")
     add_quantization_arg(pa)
-    ho = sub.add_parser("handoff", help="a decode server's first step after a scheme-2 hand-off: padded graph vs eager")
+    ho = sub.add_parser("handoff",
+                        help="a decode server's first step after a hand-off: scheme 2 (no drafts) vs scheme 1")
     _common(ho, 256, 16)
     ho.add_argument("--k", type=int, default=1, help="num_speculative_tokens")
     sc = sub.add_parser("scaling", help="a checkpoint's layout over N devices (TP, DP+EP) from its config alone")

@@ -1,7 +1,7 @@
-"""`mtpserve bench handoff`: a decode server's first step for requests handed over without drafts (scheme 2),
-padded with placeholder drafts so that it runs as the 1+k graph, against the same step run as the requests
-come (one token each, eagerly); and scheme 1's first step (real drafts, the graph) for reference. In-process
-engines on the same weights (the transfer itself is timed by scripts/bench_disagg.sh)."""
+"""`mtpserve bench handoff`: a decode server's first step for requests handed over without drafts (scheme 2:
+one token each, then the MTP pass from the last prompt position) against scheme 1's first step (real drafts,
+the fused 1+k step). In-process engines on the same weights (the transfer itself is timed by
+scripts/bench_disagg.sh)."""
 import time
 
 from mtpserve.bench import common
@@ -21,8 +21,7 @@ def run_handoff(path: str, k: int, batch: int, input_len: int, num_iters: int, d
     prompts = common.make_prompts(batch, input_len, decode.model_config.vocab_size, decode.tokenizer, seed=1)
     handoffs = {scheme: [prefill(prefill_engine, f"{scheme}{i}", None, p, params, scheme)
                          for i, p in enumerate(prompts)] for scheme in ("drafts", "hidden")}
-    cases = {"scheme 2, padded (graph)": ("hidden", True), "scheme 2, as they come (eager target step)": ("hidden", False),
-             "scheme 1, real drafts (graph)": ("drafts", True)}
+    cases = {"scheme 2, no drafts": "hidden", "scheme 1, real drafts": "drafts"}
     graphs = decode.runner.graphs
     run_graph, graph_runs = graphs.run, [0]
 
@@ -33,10 +32,10 @@ def run_handoff(path: str, k: int, batch: int, input_len: int, num_iters: int, d
     times = {name: [] for name in cases}
     graph_calls = {}
     for it in range(num_iters + 1):   # the first round warms up
-        for name, (scheme, pad) in cases.items():   # interleaved
-            ids = [f"{it}-{scheme}-{pad}-{i}" for i in range(batch)]
+        for name, scheme in cases.items():   # interleaved
+            ids = [f"{it}-{scheme}-{i}" for i in range(batch)]
             for rid, h in zip(ids, handoffs[scheme]):
-                import_handoff(decode, h, rid, params, pad_drafts=pad)
+                import_handoff(decode, h, rid, params)
             graph_runs[0] = 0
             start = time.perf_counter()
             decode.step()

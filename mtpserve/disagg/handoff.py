@@ -6,8 +6,9 @@ decode side's first step verifies them like any other.
 
 Scheme 2 ("hidden"): the prefill side ships the main KV, the MTP KV of every position but the last (whose MTP
 input, the first token, was only known after the prefill) and the main model's hidden state there. The decode
-side's first step pads the request with placeholder drafts (always rejected: the step keeps its 1+k shape and
-runs as a graph) and its MTP pass starts one position early, fed that hidden state.
+side's first step for the request is an ordinary step without drafts (padded to 1+k tokens like any decode row
+with fewer drafts than the others, runner/model_runner.py) and its MTP pass starts one position early, fed that
+hidden state.
 
 A seeded request needs no RNG state: its draws are keyed on its seed and token positions (sampling/sampler.py),
 so the decode side continues its random stream from the seed alone.
@@ -79,12 +80,9 @@ def export_handoff(engine, req: Request, scheme: str = "drafts") -> Handoff:
                    req.last_hidden.cpu() if scheme == "hidden" else None, engine_identity(engine))
 
 
-def import_handoff(engine, h: Handoff, request_id: str | None = None, params: SamplingParams | None = None,
-                   pad_drafts: bool = True) -> None:
+def import_handoff(engine, h: Handoff, request_id: str | None = None, params: SamplingParams | None = None) -> None:
     """Continues a request prefilled elsewhere: its KV goes into blocks of this engine and it waits to be
-    scheduled like a request that computed its prompt here (preempted, it recomputes from scratch).
-    pad_drafts=False leaves a request that came without drafts without placeholders (its first step then
-    verifies nothing and, in graph mode, runs eagerly: what the padding is measured against)."""
+    scheduled like a request that computed its prompt here (preempted, it recomputes from scratch)."""
     check_identity(engine, h.identity)
     if h.finish_reason is not None:
         raise ValueError(f"handoff: request {h.request_id!r} already finished ({h.finish_reason}) at prefill")
@@ -119,6 +117,4 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     req.draft_token_ids, req.draft_probs = list(h.draft_token_ids), h.draft_probs
     if h.last_hidden is not None:
         req.mtp_prefix_hidden = h.last_hidden.to(engine.device)
-    if pad_drafts and not h.draft_token_ids and k and engine.runner.proposer.always_drafts:
-        req.draft_token_ids, req.placeholder_drafts = [0] * k, True
 

@@ -60,7 +60,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.grammars = None   # structured outputs: the grammar compiler, made on first use (validation.py)
         self.children: dict[str, list[Request]] = {}
-        self.num_padded_handoff_steps = 0   # steps verifying placeholder drafts (disagg scheme 2)
         # overlap: steps run on a model thread; the engine finishes one step's outputs (and the caller handles
         # them) while the next runs. Scheduling still waits for the step before: its tokens are the next inputs.
         self.overlap = cfg.overlap
@@ -165,7 +164,6 @@ class LLMEngine:
         if not scheduled:
             return None
         now = time.monotonic()
-        self.num_padded_handoff_steps += any(s.req.placeholder_drafts for s in scheduled)
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
         k_next = adaptive.plan_drafts(self.policy, scheduled)
@@ -219,7 +217,6 @@ class LLMEngine:
         req.metrics.last_token_time = now
         req.draft_token_ids = r.next_drafts or []
         req.draft_probs = r.next_draft_probs
-        req.placeholder_drafts = False
         if r.last_hidden is not None:
             req.last_hidden = r.last_hidden
         if req.is_finished:

@@ -52,7 +52,6 @@ class Request:
     # prefill/decode disaggregation (mtpserve/disagg/)
     hold_kv: bool = False                            # prefill side: keep the KV blocks once finished
     last_hidden: torch.Tensor | None = None          # prefill side: hidden state at the last prompt position
-    placeholder_drafts: bool = False                 # decode side: drafts that only pad the step's shape
     mtp_prefix_hidden: torch.Tensor | None = None    # decode side: the MTP input hidden for the position before
     logprobs: list = field(default_factory=list)      # per output token {token: Logprob} (params.logprobs set)
     prompt_logprobs: list = field(default_factory=list)   # per prompt token: None, then {token: Logprob}

@@ -119,7 +119,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.draft_token_ids, req.draft_probs = [], None
-        req.placeholder_drafts, req.mtp_prefix_hidden = False, None   # (recomputed from scratch)
+        req.mtp_prefix_hidden = None   # (recomputed from scratch)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -24,5 +24,4 @@ def load(engine) -> dict:
         out["data_parallel_ranks"] = per_rank
     out["num_held_kv_requests"] = sum(len(c.held) for c in cores)
     out["num_preemptions"] = sum(c.num_preemptions for c in cores)
-    out["num_padded_handoff_steps"] = engine.num_padded_handoff_steps
     return out

@@ -133,10 +133,11 @@ class ModelRunner:
                 for r, (d, p), scored in zip(results, drafts, scores)]
 
     def _graph_query_len(self, scheduled) -> int:
-        """Drafters other than MTP leave a request without drafts when they find none; in graph mode a decode
-        batch mixing such requests with ones verifying k drafts is padded to 1+k tokens each, so that it runs
-        as a graph. (MTP drafts for every request.) 0: no padding."""
-        if self.graphs is None or self.proposer is None or self.proposer.always_drafts or self.spec.scorer != "mqa":
+        """In graph mode a decode batch mixing requests without drafts (n-gram found none; a hand-off's first
+        step, disagg scheme 2) with ones verifying k drafts is padded to 1+k tokens each, so that its target
+        pass runs as a graph: rows [t5] and [t9 d10 d11] run as [t5 t5 t5] (2 padding tokens, no KV kept) and
+        [t9 d10 d11]. 0: no padding."""
+        if self.graphs is None or self.proposer is None or self.spec.scorer != "mqa":
             return 0
         counts = {len(s.draft_token_ids) for s in scheduled}
         if (len(counts) == 1 or self.graphs.padded_size(len(scheduled)) is None

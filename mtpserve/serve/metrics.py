@@ -51,8 +51,6 @@ class EngineCollector:
                 yield g
         yield self._gauge("mtpserve:kv_held_requests", "Prefilled requests whose KV waits to be pulled (disagg).",
                           stats.get("num_held_kv_requests"))
-        yield self._counter("mtpserve:disagg_padded_steps", "Steps that padded handed-over requests with "
-                            "placeholder drafts (scheme 2).", stats.get("num_padded_handoff_steps"))
         yield self._counter("mtpserve:num_preemptions", "Requests preempted (KV blocks ran out).",
                             stats.get("num_preemptions"))
         yield self._counter("mtpserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

@@ -28,7 +28,6 @@ def decode_exact_depth(k: int, chain_depth: int) -> int:
 
 
 class MTPProposer:
-    always_drafts = True
     fuses_with_verification = True   # graph mode: its drafting runs in the fused step's graph (spec_decode/fused.py)
 
     def __init__(self, spec, model, forward, generator, device, static_shapes: bool = False):

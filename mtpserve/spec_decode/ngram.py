@@ -35,7 +35,6 @@ def find_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list
 
 class NgramProposer:
     """Prompt lookup: no model, no KV cache; a request whose context has no match goes without drafts."""
-    always_drafts = False
     fuses_with_verification = False
 
     def __init__(self, spec, **unused):

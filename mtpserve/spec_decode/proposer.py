@@ -4,7 +4,6 @@ The engine and the runner never ask which drafter runs: they ask it what differs
 verification of drafts (spec_decode/verify.py) is the same for all of them.
 
     class Proposer(Protocol):
-        always_drafts: bool                 # drafts for every request that samples (MTP), or only some (n-gram)
         fuses_with_verification: bool       # graph mode: verify + draft in one graph (spec_decode/fused.py)
         @classmethod check(model_config, spec)       # refuses a checkpoint it cannot draft for
         @classmethod num_kv_caches(model_config, spec) -> int   # KV caches of its own (per layer it runs)

@@ -43,7 +43,7 @@ class Verifier:
             # greedy matching: keep drafts while they equal the target's argmax, then one argmax more
             target_ids = logits.argmax(-1).view(len(idx), k + 1)
             accepted = (drafts == target_ids[:, :k]).long().cumprod(-1).sum(-1)
-            return self._record(idx, target_ids, self._reject_placeholders(reqs, accepted), k, reqs)
+            return self._record(idx, target_ids, accepted, k)
         target = request_probs(logits, reqs, [k + 1] * len(idx), self.device).view(len(idx), k + 1, -1)
         seeds, positions = [r.seed for r in reqs], [r.num_tokens for r in reqs]
         greedy = [r.params.greedy for r in reqs]
@@ -63,25 +63,11 @@ class Verifier:
         else:
             tokens, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise, self.spec.verification,
                                              coupled)
-            placeholder = [b for b, r in enumerate(reqs) if r.placeholder_drafts]
-            if placeholder:   # the token after the pending one, drawn from the target alone: a plain sample
-                tokens[placeholder, 0] = sample(target[placeholder, 0], noise[placeholder, 0])
-                accepted = self._reject_placeholders(reqs, accepted)
-        return self._record(idx, tokens, accepted, k, reqs)
+        return self._record(idx, tokens, accepted, k)
 
     @staticmethod
-    def _reject_placeholders(reqs, accepted: torch.Tensor) -> torch.Tensor:
-        """Placeholder drafts (a decode server's first step for a request handed over without drafts) only
-        give the step its 1+k shape: none is accepted, whatever it is."""
-        if any(r.placeholder_drafts for r in reqs):
-            accepted = accepted.masked_fill(torch.tensor([r.placeholder_drafts for r in reqs], device=accepted.device), 0)
-        return accepted
-
-    @staticmethod
-    def _record(idx, tokens, accepted, k, reqs) -> dict:
-        # (placeholders are not drafts: acceptance counts only real ones)
-        return {i: StepResult(row[:a + 1]) if r.placeholder_drafts else StepResult(row[:a + 1], k, a)
-                for i, row, a, r in zip(idx, tokens.tolist(), accepted.tolist(), reqs)}
+    def _record(idx, tokens, accepted, k) -> dict:
+        return {i: StepResult(row[:a + 1], k, a) for i, row, a in zip(idx, tokens.tolist(), accepted.tolist())}
 
     def _synthetic(self, drafts, target, uniforms, noise):
         """Measurement mode (bench --synthetic-acceptance): each draft passes with a fixed probability,
