@@ -236,7 +236,7 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None            # None: a free port (single node)
-    quantization: str | None = None           # "fp8": FP8 weights in memory; "none": dequantize; None: the checkpoint's
+    quantization: str | None = None           # "fp8"/"int8": weights in memory; "none": dequantize; None: the checkpoint's
     overlap: bool = False                     # a model thread runs each step while the engine finishes the one before
     enable_prefix_caching: bool = True        # full blocks of computed KV reused by requests with the same prefix
     cpu_threads: int | None = None            # torch threads per rank on the CPU (None: the node's cores / its ranks)

@@ -47,9 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "none"],
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8", "none"],
                    help="fp8: linear weights in FP8 in memory (an FP8 checkpoint is kept so by default; a bf16 one is "
-                        "quantized as it loads); none: dequantize an FP8 checkpoint")
+                        "quantized as it loads); int8: weight-only int8 on the CPU with bf16 activations (not "
+                        "lossless against bf16; MTP stays lossless against it); none: dequantize an FP8 checkpoint")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

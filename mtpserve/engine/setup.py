@@ -33,6 +33,8 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
     if drafter is not None:
         drafter.check(model_config, spec)
     device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    if cfg.quantization == "int8":
+        dtype = int8_activation_dtype(cfg.dtype, dtype, device)
     limit = model_config.max_position_embeddings
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise ValueError(f"max_model_len = {cfg.max_model_len}: above the model's max_position_embeddings {limit}")
@@ -61,11 +63,23 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
                      lookahead, k + 1 + lookahead, launch, resolve_quantization(cfg.quantization, model_config))
 
 
+def int8_activation_dtype(asked: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Weight-only int8 runs bf16/fp16 activations ("auto": bf16); its kernel is the CPU's (model/int8.py)."""
+    if device.type != "cpu":
+        raise ValueError(f"quantization = 'int8': CPU only (device = {device.type!r}); use 'fp8' on CUDA")
+    if asked == "auto":
+        return torch.bfloat16
+    if dtype == torch.float32:
+        raise ValueError("quantization = 'int8': dtype must be bfloat16 or float16 (PyTorch's int8 weight-only "
+                         "kernel has no fast float32 path on the CPU)")
+    return dtype
+
+
 def resolve_quantization(asked: str | None, model_config: ModelConfig) -> str | None:
     """None follows the checkpoint (an FP8 checkpoint stays FP8 in memory, as in vLLM); "none" dequantizes it;
-    "fp8" also quantizes an unquantized checkpoint's linear weights as it loads."""
-    if asked not in (None, "fp8", "none"):
-        raise ValueError(f"quantization = {asked!r}: must be 'fp8', 'none' or None (the checkpoint's)")
+    "fp8" also quantizes an unquantized checkpoint's linear weights as it loads; "int8": weight-only int8."""
+    if asked not in (None, "fp8", "int8", "none"):
+        raise ValueError(f"quantization = {asked!r}: must be 'fp8', 'int8', 'none' or None (the checkpoint's)")
     if asked is None:
         return "fp8" if model_config.quantization_config else None
     return None if asked == "none" else asked

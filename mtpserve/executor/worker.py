@@ -36,7 +36,7 @@ class RankSetup:
     num_lookahead_slots: int        # KV slots the MTP draft passes write past the verified ones
     max_step_overshoot: int         # slots past the last token a step may need
     launch: Launch
-    quantization: str | None        # "fp8" or None (weights in `dtype`)
+    quantization: str | None        # "fp8", "int8" or None (weights in `dtype`)
 
 
 @dataclass

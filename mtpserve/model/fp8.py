@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpserve.model.int8 import Int8Weight, int8_linear
+
 # Linear weights kept in FP8. kv_b_proj is dequantized at load: it only feeds the absorbed attention weights,
 # built once (fuse). Embedding, output heads and router are not FP8 in DeepSeek's checkpoints either.
 FP8_MODULES = {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj",
@@ -72,7 +74,10 @@ def quantize_rows(w: torch.Tensor, block: int = 128) -> Fp8Weight:
 
 
 def weight_of(linear: torch.nn.Linear):
-    """The weight to multiply by: the module's tensor, or an Fp8Weight when it is kept in FP8."""
+    """The weight to multiply by: the module's tensor, an Fp8Weight when it is kept in FP8 or an Int8Weight when
+    in int8 (model/int8.py)."""
+    if getattr(linear, "int8_scale", None) is not None:
+        return Int8Weight(linear.weight, linear.int8_scale)
     scale = getattr(linear, "weight_scale", None)
     return linear.weight if scale is None else Fp8Weight(linear.weight, scale, linear.weight_block)
 
@@ -80,6 +85,8 @@ def weight_of(linear: torch.nn.Linear):
 def apply_linear(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """linear(x), dequantizing an FP8 weight for this product only."""
     w = weight_of(linear)
+    if isinstance(w, Int8Weight):
+        return int8_linear(x, w, linear.bias)
     return torch.nn.functional.linear(x, w.dequantize(x.dtype) if isinstance(w, Fp8Weight) else w, linear.bias)
 
 

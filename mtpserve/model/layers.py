@@ -7,6 +7,7 @@ from torch import nn
 
 from mtpserve.config import ModelConfig
 from mtpserve.model.fp8 import Fp8Weight, weight_of
+from mtpserve.model.int8 import Int8Weight, int8_linear
 
 
 class RMSNorm(nn.Module):
@@ -51,6 +52,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     - eagerly, for fp32 and a contiguous weight, weight @ x.T; one row goes in twice, as MKL's GEMV reads a
       cold weight at about half the speed of a two-column GEMM. (A strided weight, e.g. one expert's slice of
       the stacked down projections, is the other way round: F.linear reads it faster.)"""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):   # FP8 in memory: dequantized for this product only
         weight = weight.dequantize(x.dtype)
     rows = x.shape[0]
@@ -70,21 +73,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def share_storage(linears: list[nn.Linear], dim: int = 0) -> torch.Tensor | Fp8Weight:
+def share_storage(linears: list[nn.Linear], dim: int = 0) -> torch.Tensor | Fp8Weight | Int8Weight:
     """Concatenates the linears' weights along `dim` and makes each weight a view of the result (the state
-    dict keeps its names and no memory is duplicated). For inference: the views are not trained. FP8 weights
-    (all or none of them) are concatenated with their scales."""
+    dict keeps its names and no memory is duplicated). For inference: the views are not trained. FP8 and int8
+    weights (all or none of them) are concatenated with their scales."""
     fused = torch.cat([m.weight.detach() for m in linears], dim=dim)
-    fp8 = getattr(linears[0], "weight_scale", None) is not None
-    scales = torch.cat([m.weight_scale for m in linears], dim=dim) if fp8 else None
+    scale_name = next((n for n in ("weight_scale", "int8_scale") if getattr(linears[0], n, None) is not None), None)
+    scales = torch.cat([getattr(m, scale_name) for m in linears], dim=dim) if scale_name else None
     start = 0
     for m in linears:
         size = m.weight.shape[dim]
         m.weight = nn.Parameter(fused.narrow(dim, start, size), requires_grad=False)
-        if fp8:
-            m.weight_scale = scales.narrow(dim, start, size)
+        if scale_name:
+            setattr(m, scale_name, scales.narrow(dim, start, size))
         start += size
-    return Fp8Weight(fused, scales, linears[0].weight_block) if fp8 else fused
+    if scale_name == "int8_scale":
+        return Int8Weight(fused, scales)
+    return Fp8Weight(fused, scales, linears[0].weight_block) if scale_name else fused
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

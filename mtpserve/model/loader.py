@@ -14,6 +14,7 @@ from safetensors import safe_open
 from mtpserve.config import ModelConfig
 from mtpserve.model.checkpoint import hf_name
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from mtpserve.model.int8 import quantize_rows as quantize_int8, set_int8
 from mtpserve.model.fp8 import Fp8Weight, from_tiles, keeps_fp8, quantize_rows, set_fp8
 from mtpserve.model.parallel import ExpertParallel, TensorParallel, VocabParallelEmbedding, shard_kind, shard_slices
 
@@ -140,10 +141,12 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg:
                quantization: str | None = None, ep: ExpertParallel | None = None) -> DeepseekV3ForCausalLM:
     """Builds the model (this rank's shard under tensor parallelism, its experts under expert parallelism) on
     the meta device, then gives each parameter its checkpoint slice in its final dtype, one tensor at a time:
-    peak memory is the shard plus one tensor. The MoE router stays float32 (routing is sensitive). quantization "fp8": linear weights stay
-    (or, from an unquantized checkpoint, become) FP8 in memory (model/fp8.py); None: all in `dtype`."""
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization = {quantization!r}: must be 'fp8' or None")
+    peak memory is the shard plus one tensor. The MoE router stays float32 (routing is sensitive). quantization
+    "fp8": linear weights stay (or, from an unquantized checkpoint, become) FP8 in memory (model/fp8.py); "int8":
+    they become int8 with a scale per row (model/int8.py; an FP8 checkpoint's are dequantized first); None: all in
+    `dtype`."""
+    if quantization not in (None, "fp8", "int8"):
+        raise ValueError(f"quantization = {quantization!r}: must be 'fp8', 'int8' or None")
     cfg = cfg or ModelConfig.from_pretrained(path)
     stats = stats if stats is not None else LoadStats()
     with torch.device("meta"):
@@ -179,6 +182,10 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg:
                     set_fp8(owners[name], w)
                     loaded.add(name)
                     continue
+            if quantization == "int8" and keeps_fp8(name):   # (the same modules as FP8)
+                set_int8(owners[name], quantize_int8(_read_slice(f, key, keys, index, cfg, stats).to(device), dtype))
+                loaded.add(name)
+                continue
             wanted = torch.float32 if ".mlp.gate." in name else dtype
             # (a copy: safetensors hands out views of the memory-mapped file; the slice gets memory of
             # its own and only its pages of the file are ever touched)

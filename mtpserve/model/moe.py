@@ -5,6 +5,7 @@ from torch import nn
 
 from mtpserve.config import ModelConfig
 from mtpserve.model.fp8 import Fp8Weight
+from mtpserve.model.int8 import Int8Weight
 from mtpserve.model.layers import MLP, linear, silu_and_mul
 from mtpserve.model.parallel import ExpertParallel, TensorParallel
 
@@ -111,8 +112,14 @@ class MoE(nn.Module):
             w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
             return _hit_experts(x, weights, ids, w13, torch.stack([e.down_proj.weight for e in experts], 1))
         fp8 = isinstance(self.w13, Fp8Weight)
+        int8 = isinstance(self.w13, Int8Weight)
         partitioned = self.ep.size > 1   # some choices are not this rank's: only the paths that skip them
         if torch.compiler.is_compiling():
+            if int8:   # (the int8 kernel on the CPU; chosen pairs read the few experts hit like the others)
+                if ids.numel() <= FEW_CHOICES and not partitioned:
+                    return _chosen_pairs(x, weights, ids, self.w13, self.w2)
+                return routed_experts_int8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
+                                           self.w2.scale)
             if x.is_cuda:   # a CUDA graph cannot loop over the experts hit on the host: all experts, two GEMMs
                 w13, w2 = (self.w13.dequantize(x.dtype), self.w2.dequantize(x.dtype)) if fp8 else (self.w13, self.w2)
                 return _all_experts(x, weights, ids, w13, w2)
@@ -124,7 +131,7 @@ class MoE(nn.Module):
             if x.dtype == torch.bfloat16 and not partitioned:   # (inductor takes torch._grouped_mm in bf16 only)
                 return _grouped_experts(x, weights, ids, self.w13, self.w2)
             return routed_experts(x, weights, ids, self.w13, self.w2)
-        if (not fp8 and x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= len(self.w13)
+        if (not fp8 and not int8 and x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= len(self.w13)
                 and x.dtype != torch.float32):
             # A few tokens choosing about half the experts or more, in half precision (whose CPU GEMMs cost the
             # same for 1 and 16 rows; fp32 ones do not): all experts as two GEMMs, weighted by the (mostly zero)
@@ -150,6 +157,17 @@ class MoE(nn.Module):
             e.up_proj.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
             e.down_proj.weight = nn.Parameter(w2[:, i], requires_grad=False)
         self.w13, self.w2 = w13, w2
+        if getattr(experts[0].gate_proj, "int8_scale", None) is not None:
+            # int8: the down projections stacked expert-major [E, H, I] and viewed as [H, E, I], so that one
+            # expert's w2[:, e] is contiguous (the int8 kernel's weight must be)
+            down = torch.stack([e.down_proj.weight for e in experts]).permute(1, 0, 2)
+            s13 = stack("int8_scale")[0]
+            s2 = torch.stack([e.down_proj.int8_scale for e in experts]).permute(1, 0)   # (the same for the scales)
+            for i, e in enumerate(experts):
+                e.gate_proj.int8_scale, e.up_proj.int8_scale = s13[i, :inter], s13[i, inter:]
+                e.down_proj.weight = nn.Parameter(down[:, i], requires_grad=False)
+                e.down_proj.int8_scale = s2[:, i]
+            self.w13, self.w2 = Int8Weight(w13, s13), Int8Weight(down, s2)
         block = getattr(experts[0].gate_proj, "weight_block", None)
         if block is not None:
             s13, s2 = stack("weight_scale")
@@ -245,6 +263,18 @@ def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 @routed_experts_fp8.register_fake
 def _(x, weights, ids, w13, s13, w2, s2, block):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mtpserve::routed_experts_int8", mutates_args=())
+def routed_experts_int8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                        s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """The same with int8 experts (model/int8.py)."""
+    return _hit_experts(x, weights, ids, Int8Weight(w13, s13), Int8Weight(w2, s2))
+
+
+@routed_experts_int8.register_fake
+def _(x, weights, ids, w13, s13, w2, s2):
     return torch.empty_like(x)
 
 
