@@ -54,6 +54,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _common(sa)
     sa.add_argument("--k", type=int, default=2)
     sa.add_argument("--batch-sizes", default="1,32", help="comma list")
+    qu = sub.add_parser("quantization", help="weight-only int8 vs bf16 and fp32: speed with and without MTP, "
+                                             "perplexity, agreement with bf16, acceptance")
+    _common(qu)
+    qu.add_argument("--k", type=int, default=2)
+    qu.add_argument("--batch-sizes", default="1,8", help="comma list")
     px = sub.add_parser("prefix", help="the prefix cache on vs off: a shared system prompt, multi-turn chat, and "
                                        "prompts sharing nothing, MTP on")
     _common(px, 32, 64)
@@ -190,6 +195,14 @@ def _sampling(args, path: str) -> dict:
     res = sampling.run_sampling(path, args.k, common.parse_list(args.batch_sizes), args.input_len, args.output_len,
                                 args.num_iters, args.enforce_eager, args.dtype)
     print("\n".join(sampling.table(res)))
+    return res
+
+
+def _quantization(args, path: str) -> dict:
+    from mtpserve.bench import quantization
+    res = quantization.run_quantization(path, args.k, common.parse_list(args.batch_sizes), args.input_len,
+                                        args.output_len, args.num_iters, args.enforce_eager)
+    print("\n".join(quantization.table(res)))
     return res
 
 

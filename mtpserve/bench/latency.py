@@ -36,7 +36,8 @@ ENGINE_DEFAULTS: dict = {}   # engine keyword arguments every bench engine takes
 
 def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, enforce_eager: bool, dtype: str,
                  block_size: int = 16, graph_batch_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
-                 overlap: bool = False):
+                 overlap: bool = False, **extra):
+    """extra: more engine keyword arguments (quantization, ...)."""
     from mtpserve.engine.engine import LLMEngine
     k = spec["num_speculative_tokens"] if spec else 0
     blocks = max_batch * (-(-(max_len + k + 1) // block_size)) + 8
@@ -46,7 +47,7 @@ def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, en
                                    max_num_batched_tokens=max(2048, max_batch * max_len), max_model_len=max_len + k + 8,
                                    num_kv_blocks=blocks, block_size=block_size, enforce_eager=enforce_eager, dtype=dtype,
                                    tensor_parallel_size=tensor_parallel_size, overlap=overlap, **graphs,
-                                   **ENGINE_DEFAULTS)
+                                   **{**ENGINE_DEFAULTS, **extra})
     engine.calibrate()
     return engine
 
