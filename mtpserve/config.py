@@ -140,10 +140,11 @@ def check_int_in_range(field: str, value, low: int, high: int | None, what: str 
 @dataclass
 class SpeculativeConfig:
     method: str = "mtp"                     # "mtp" (alias "deepseek_mtp") | "ngram" (prompt lookup, spec_decode/ngram.py)
-    num_speculative_tokens: int = 1
-    draft_sampling: str = "probabilistic"   # "probabilistic" | "greedy"
-    verification: str = "token"             # "token" | "block"
-    scorer: str = "mqa"                     # "mqa" | "batch_expansion"
+    num_speculative_tokens: int = 1         # k: drafts per step (the most, when adaptive), 1..16
+    draft_sampling: str = "probabilistic"   # "probabilistic": drafts sampled from the MTP's distribution | "greedy":
+                                            # argmax drafts, treated as one-hot (vllm-ascend's shortcut); both lossless
+    verification: str = "token"             # "token": token-wise rejection sampling | "block": block verification
+    scorer: str = "mqa"                     # "mqa": one row of 1+k tokens per request | "batch_expansion": 1+k rows
     synthetic_acceptance: float | None = None  # measurement mode only (bench); never lossless
     allow_lossy_measurement: bool = False      # the explicit opt-in synthetic_acceptance needs (bench sets it)
     draft_vocab_size: int | None = None      # drafts over the N most frequent tokens only (spec_decode/draft_vocab.py)
@@ -215,26 +216,26 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
+    model: str                                # HF DeepSeek-V3 checkpoint directory (None in LLM: the shipped model)
+    dtype: str = "auto"                       # "auto": bfloat16 on CUDA, float32 on the CPU (bfloat16 with int8)
+    device: str = "auto"                      # "cpu" | "cuda" | "auto" (cuda when available)
+    max_num_seqs: int = 64                    # requests running at once
+    max_num_batched_tokens: int = 2048        # tokens per step, prompt chunks included
+    max_model_len: int | None = None          # None: the model's max_position_embeddings
+    block_size: int = 16                      # tokens per KV-cache block
     num_kv_blocks: int | None = None          # None -> sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.2     # of free memory (CUDA) / of total RAM (CPU), capped by need
     enforce_eager: bool | None = None         # None: graphs on CUDA, eager on CPU (where graphs measured no faster)
-    graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
-    speculative: SpeculativeConfig | None = None
-    seed: int = 0
-    skip_tokenizer_init: bool = False
+    graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])   # graph mode's sizes
+    speculative: SpeculativeConfig | None = None   # speculative_config (a dict in LLM / from_kwargs); None: off
+    seed: int = 0                             # the engine's random stream (unseeded requests)
+    skip_tokenizer_init: bool = False         # token ids in and out only
     tensor_parallel_size: int = 1             # ranks, one process each (model/parallel.py, executor/)
     data_parallel_size: int = 1               # engine cores (scheduler + KV cache each), one rank each
     enable_expert_parallel: bool = False      # routed experts partitioned over all ranks (not split by TP)
     nnodes: int = 1                           # multi-node: the ranks are split evenly over the nodes
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    node_rank: int = 0                        # this node (0 runs the engine)
+    master_addr: str = "127.0.0.1"            # node 0's address (rendezvous)
     master_port: int | None = None            # None: a free port (single node)
     quantization: str | None = None           # "fp8"/"int8": weights in memory; "none": dequantize; None: the checkpoint's
     overlap: bool = False                     # a model thread runs each step while the engine finishes the one before

@@ -21,29 +21,37 @@ def add_model_args(p: argparse.ArgumentParser,
     p.add_argument("--speculative-config", default=None, type=json_object,
                    help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': MTP drafts up to 2 tokens a '
                         'step, as many as pay (adaptive; add "adaptive": false for always 2) (default: no speculation)')
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help="activations and weights: float32, bfloat16, float16 (default: bfloat16 on CUDA, float32 on "
+                        "the CPU, bfloat16 with --quantization int8)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step, prompt chunks included (default: the engine's, 2048)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    add_quantization_arg(p)
-    p.add_argument("--device", default="auto")
-    add_graph_args(p)
-    add_parallel_args(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of prompts' shared prefixes, main and MTP layers (default: on)")
-    p.add_argument("--overlap", action="store_true",
-                   help="run each step on a model thread while the engine finishes the step before (one process)")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads per rank on the CPU (default: the node's cores divided among its ranks; "
-                        "`serve`: one core fewer, left to the HTTP server)")
+    """The engine's flags in groups (--help prints them so; docs/configuration.md is generated from them)."""
+    model = p.add_argument_group("model and speculation")
+    add_model_args(model)
+    add_quantization_arg(model)
+    sched = p.add_argument_group("scheduling and KV cache")
+    sched.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens per step, prompt chunks included (default: the engine's, 2048)")
+    sched.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt + output tokens of a request (default: the model's max_position_embeddings)")
+    sched.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV-cache blocks (default: sized from memory, capped by what max-num-seqs can use)")
+    sched.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    sched.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV blocks of prompts' shared prefixes, main and MTP layers (default: on)")
+    sched.add_argument("--seed", type=int, default=0, help="the engine's random stream (unseeded requests)")
+    run = p.add_argument_group("execution")
+    run.add_argument("--device", default="auto", help="cpu or cuda (default: cuda when available)")
+    add_graph_args(run)
+    run.add_argument("--overlap", action="store_true",
+                     help="run each step on a model thread while the engine finishes the step before (one process)")
+    run.add_argument("--cpu-threads", type=int, default=None,
+                     help="torch threads per rank on the CPU (default: the node's cores divided among its ranks; "
+                          "`serve`: one core fewer, left to the HTTP server)")
+    add_parallel_args(p.add_argument_group("parallelism (tensor, data, expert; nodes)"))
 
 
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:

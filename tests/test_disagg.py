@@ -59,13 +59,14 @@ def test_adaptive_prefill_side_hands_off_every_draft_and_mtp_kv(ckpt, monkeypatc
 
 
 # (graph mode's padded first step through real servers: test_disagg_servers.py)
-@pytest.mark.parametrize("k, graphs", [(1, False), (2, False)], ids=["k1-eager", "k2-eager"])
-def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs):
+@pytest.mark.parametrize("k, graphs, temperature", [(1, False, 0.0), (2, False, 0.0), (2, False, 1.0)],
+                         ids=["k1-eager", "k2-eager", "k2-seeded"])
+def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs, temperature):
     """Scheme 2: the decode engine gets no drafts and no MTP KV for the last prompt position, only the hidden
     state there; its first step is an ordinary step without drafts that runs the MTP from there."""
     import torch
     prompts = pattern_batch(torch.Generator().manual_seed(1), 3, 9).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=7 if temperature else None)
     spec = {"num_speculative_tokens": k, "adaptive": False}
     mode = dict(enforce_eager=not graphs, graph_batch_sizes=[4])
     single = LLMEngine.from_kwargs(ckpt, spec)

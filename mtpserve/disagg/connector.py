@@ -23,11 +23,11 @@ CONNECTORS = ("ZmqConnector",)
 
 @dataclass
 class KVTransferConfig:
-    kv_role: str
-    kv_connector: str = "ZmqConnector"
-    kv_port: int = 14579
+    kv_role: str                        # "kv_producer" (prefill) | "kv_consumer" (decode) | "kv_both"
+    kv_connector: str = "ZmqConnector"  # the KV moves over ZeroMQ (the only connector)
+    kv_port: int = 14579                # producer: the port of its KV endpoint
     kv_ip: str = "127.0.0.1"            # where decode servers reach this server's KV endpoint
-    mtp_handoff: str = "drafts"
+    mtp_handoff: str = "drafts"         # "drafts" (scheme 1: first token + drafts) | "hidden" (scheme 2: hidden state)
     kv_transfer_timeout: float = 120.0  # producer: seconds a prefilled request waits to be pulled
     kv_pull_timeout: float = 30.0       # consumer: seconds to wait for the prefill side's answer
 

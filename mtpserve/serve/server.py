@@ -18,11 +18,18 @@ logger = logging.getLogger("mtpserve.serve")
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_engine_args(parser)
-    a = parser.add_argument
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8000)
+    a = parser.add_argument_group("server").add_argument
+    a("--host", default="127.0.0.1", help="address to listen on")
+    a("--port", type=int, default=8000, help="port to listen on")
     a("--served-model-name", nargs="+", default=None,
       help="name(s) clients use in 'model' (default: the --model value, or 'mtpserve-default')")
+    a("--chat-template", default=None, help="a Jinja chat template (a file, or the template itself) replacing "
+                                            "the tokenizer's")
+    a("--enable-auto-tool-choice", action="store_true",
+      help="tool_choice \"auto\": the model decides to call tools, its text read by --tool-call-parser")
+    a("--tool-call-parser", choices=PARSERS, default=None, help="the model's tool-call format (DeepSeek-V3's)")
+    a("--uvicorn-log-level", default="warning", help="uvicorn's log level")
+    a = parser.add_argument_group("security and limits").add_argument
     a("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' on every path but /health (default: $MTPSERVE_API_KEY, which "
            "keeps the key out of `ps`)")
@@ -37,15 +44,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="requests waiting for a slot (beyond --max-num-seqs running) past which new ones get 503")
     a("--shutdown-timeout", type=float, default=30.0,
       help="seconds SIGTERM waits for running requests; the ones left then end with an error")
-    a("--chat-template", default=None, help="a Jinja chat template (a file, or the template itself) replacing "
-                                            "the tokenizer's")
-    a("--enable-auto-tool-choice", action="store_true",
-      help="tool_choice \"auto\": the model decides to call tools, its text read by --tool-call-parser")
-    a("--tool-call-parser", choices=PARSERS, default=None, help="the model's tool-call format (DeepSeek-V3's)")
+    a = parser.add_argument_group("disaggregated prefill / decode").add_argument
     a("--kv-transfer-config", default=None,
       help="disaggregated prefill/decode (JSON, vLLM's keys): kv_role kv_producer|kv_consumer|kv_both, kv_port, "
            "kv_ip, mtp_handoff drafts|hidden, kv_transfer_timeout, kv_pull_timeout (mtpserve/disagg/connector.py)")
-    a("--uvicorn-log-level", default="warning")
     return parser
 
 
