@@ -78,7 +78,7 @@ def test_dp2_ep2_matches_one_process_with_requests_on_both_ranks(ckpt, kw):
         counts = two.engine.executor.pass_counts()
         if kw["speculative_config"] == K3:   # prefix cache per rank: the same tokens on a hit; a request goes to
             assert generate(two)[0] == tokens_two   # the rank holding its prefix (rank 1 here, not the idler 0)
-            hits = sum(c.block_manager.num_hits for c in two.engine.cores)
+            hits = sum(c.block_manager.num_hits for c in two.engine.schedulers)
             assert hits > 0
             long = list(range(3, 40))
             assert run_on_ranks(two.engine, [long], [1]) == run_on_ranks(two.engine, [long], [1])

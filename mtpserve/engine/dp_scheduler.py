@@ -2,7 +2,7 @@
 
 Each rank runs its own requests against its own KV cache (attention is data-parallel); the front places a new
 request on the rank with the least load (waiting + running requests), or where the caller asks. One engine
-step schedules every core, and the executor hands each rank its part (idle ranks run dummy forwards).
+step schedules every scheduler, and the executor hands each rank its part (idle ranks run dummy forwards).
 """
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.request import Request
@@ -10,43 +10,43 @@ from mtpserve.engine.scheduler import ScheduledRequest, Scheduler
 
 
 class DataParallelScheduler:
-    def __init__(self, cores: list[Scheduler]):
-        self.cores = cores
+    def __init__(self, schedulers: list[Scheduler]):
+        self.schedulers = schedulers
 
     @property
-    def block_manager(self) -> BlockManager:   # (every core has as many blocks)
-        return self.cores[0].block_manager
+    def block_manager(self) -> BlockManager:   # (every scheduler has as many blocks)
+        return self.schedulers[0].block_manager
 
     @property
     def waiting(self) -> list[Request]:
-        return [r for core in self.cores for r in core.waiting]
+        return [r for scheduler in self.schedulers for r in scheduler.waiting]
 
     @property
     def running(self) -> list[Request]:
-        return [r for core in self.cores for r in core.running]
+        return [r for scheduler in self.schedulers for r in scheduler.running]
 
     def loads(self) -> list[int]:
-        return [len(core.waiting) + len(core.running) for core in self.cores]
+        return [len(scheduler.waiting) + len(scheduler.running) for scheduler in self.schedulers]
 
     def add(self, req: Request, rank: int | None = None) -> None:
         """Placed on the rank whose prefix cache holds the longest run of its blocks, among the ranks with room
         for it (fewer requests than max_num_seqs), the least loaded of those; else the least loaded."""
         if rank is None:
             loads = self.loads()
-            hits = [len(core.block_manager.cached_run(req)) if load < core.max_num_seqs else -1
-                    for core, load in zip(self.cores, loads)]
-            rank = max(range(len(self.cores)), key=lambda i: (hits[i], -loads[i]))
+            hits = [len(scheduler.block_manager.cached_run(req)) if load < scheduler.max_num_seqs else -1
+                    for scheduler, load in zip(self.schedulers, loads)]
+            rank = max(range(len(self.schedulers)), key=lambda i: (hits[i], -loads[i]))
         req.dp_rank = rank
-        self.cores[rank].add(req)
+        self.schedulers[rank].add(req)
 
     def has_unfinished(self) -> bool:
-        return any(core.has_unfinished() for core in self.cores)
+        return any(scheduler.has_unfinished() for scheduler in self.schedulers)
 
     def schedule(self) -> list[ScheduledRequest]:
-        return [s for core in self.cores for s in core.schedule()]
+        return [s for scheduler in self.schedulers for s in scheduler.schedule()]
 
     def computed(self, req: Request) -> None:
-        self.cores[req.dp_rank].computed(req)
+        self.schedulers[req.dp_rank].computed(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        self.cores[req.dp_rank].finish(req, reason)
+        self.schedulers[req.dp_rank].finish(req, reason)

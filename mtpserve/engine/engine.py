@@ -40,11 +40,12 @@ class LLMEngine:
         self.device, self.dtype = self.runner.device, setup.dtype
         min_last_chunk = self.runner.proposer.min_last_chunk() if self.runner.proposer else 1
         # (a block's MTP KV depends on as many tokens after it as MTP layers are chained: kv_cache.py)
-        self.cores = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                             len(self.runner.mtp_caches)),
-                                cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_lookahead_slots, min_last_chunk)
-                      for _ in range(cfg.data_parallel_size)]   # one scheduler per data-parallel rank
-        self.scheduler = self.cores[0] if len(self.cores) == 1 else DataParallelScheduler(self.cores)
+        self.schedulers = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                                  len(self.runner.mtp_caches)),
+                                     cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_lookahead_slots,
+                                     min_last_chunk)
+                           for _ in range(cfg.data_parallel_size)]   # one per data-parallel rank
+        self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
         self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)
         self.use_graphs = self.runner.graphs is not None
         self.graph_warmup_seconds = self.runner.graphs.compile_seconds if self.use_graphs else 0.0
@@ -75,19 +76,19 @@ class LLMEngine:
     def reset_stats(self) -> None:
         """Forgets the spec-decode counters and preemption counts (after the calibration's steps)."""
         self.spec_metrics = SpecDecodeMetrics(self.spec_metrics.num_speculative_tokens)
-        for core in self.cores:
-            core.num_preemptions = 0
-            core.block_manager.num_queries = core.block_manager.num_hits = 0
+        for scheduler in self.schedulers:
+            scheduler.num_preemptions = 0
+            scheduler.block_manager.num_queries = scheduler.block_manager.num_hits = 0
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (on every data-parallel rank)."""
-        for core in self.cores:
-            core.block_manager.reset()
+        for scheduler in self.schedulers:
+            scheduler.block_manager.reset()
 
     @property
     def max_num_seqs(self) -> int:
         """Requests the engine runs at once (all data-parallel ranks together)."""
-        return self.config.max_num_seqs * len(self.cores)
+        return self.config.max_num_seqs * len(self.schedulers)
 
     @classmethod
     def from_kwargs(cls, *args, **kwargs) -> "LLMEngine":

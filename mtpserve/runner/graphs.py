@@ -12,12 +12,33 @@ same loop.
 """
 import time
 import types
+from dataclasses import dataclass
 
 import torch
 import torch._dynamo
 
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.runner.batch import Row
+
+
+@dataclass
+class StaticInputs:
+    """A graph's input buffers, copied into before each run (batch B rows of q tokens)."""
+    input_ids: torch.Tensor                     # [B * q]
+    positions: torch.Tensor                     # [B * q]
+    seq_lens: torch.Tensor                      # [B]  (0: a padding row)
+    slot_mapping: torch.Tensor                  # [B * q]  (-1: no KV written)
+    block_tables: torch.Tensor                  # [B, max blocks]; a graph sees the first `bucket` columns
+    prev_hidden: torch.Tensor | None = None     # MTP passes: the hidden state fed at each token [B * q, H]
+    output_index: torch.Tensor | None = None    # MTP passes over 1+k tokens: the one token per row to output [B]
+    sampling: list[torch.Tensor] | None = None  # fused steps: the sampled step's further inputs (else [])
+
+    def args(self, bucket: int) -> list:
+        table = self.block_tables[:, :bucket]
+        if self.block_tables.shape[1] > 1:   # (a one-block table has a single bucket; dynamo specializes size 1)
+            torch._dynamo.mark_dynamic(table, 1)   # one graph for every KV bucket
+        head = [self.input_ids, self.positions, self.seq_lens, self.slot_mapping, table]
+        return head + (self.sampling if self.sampling is not None else [self.prev_hidden, self.output_index])
 
 
 class GraphRunner:
@@ -66,12 +87,13 @@ class GraphRunner:
         n, q = len(rows), len(rows[0].token_ids)
         batch = batch or self.padded_size(n)
         fn, buf = self._graph(what, batch, q)
-        inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + q))
-        if buf[5] is not None:
-            buf[5][:n * q].copy_(prev_hidden)
-        if buf[6] is not None:   # padding rows read their own first token
-            buf[6].copy_(torch.tensor(output_index + [i * q for i in range(n, batch)]))
-        out = fn(*inputs, buf[5], buf[6])
+        bucket = self.kv_bucket(max(r.start for r in rows) + q)
+        self._load(buf, rows, q, bucket)
+        if buf.prev_hidden is not None:
+            buf.prev_hidden[:n * q].copy_(prev_hidden)
+        if buf.output_index is not None:   # padding rows read their own first token
+            buf.output_index.copy_(torch.tensor(output_index + [i * q for i in range(n, batch)]))
+        out = fn(*buf.args(bucket))
         out = out[:n] if output_index is not None else out[:n * q]
         # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
         return out.clone() if self.cuda_graphs else out
@@ -93,14 +115,15 @@ class GraphRunner:
         if sampling is None:
             return fn(*inputs)[:n].tolist(), None
         if self.compiled:
-            for target, value in zip(buf[5:], sampling):   # (padding rows keep what they held: outputs dropped)
+            for target, value in zip(buf.sampling, sampling):   # (padding rows keep what they held: outputs dropped)
                 target[:n].copy_(value)
-            sampling = buf[5:]
-        ids, probs = fn(*inputs, *sampling)
+            sampling = buf.sampling
+        ids, probs = fn(*inputs[:5], *sampling)
         return ids[:n].tolist(), None if probs is None else probs[:n].clone()
 
-    def _load(self, buf, rows: list[Row], q: int, bucket: int) -> list:
-        """Copies the rows into the static buffers; returns the graph's first five inputs."""
+    def _load(self, buf: StaticInputs | None, rows: list[Row], q: int, bucket: int) -> list:
+        """Copies the rows into the static buffers; returns the graph's first five inputs (eager: fresh
+        tensors)."""
         # Index arithmetic in Python lists, one copy per buffer: per-op costs dominate a small decode step.
         # Padding rows have KV length 0 and slot -1 (their writes land in the null block).
         ids, positions, slots, seq_lens, tables = [], [], [], [], []
@@ -114,14 +137,13 @@ class GraphRunner:
         if not self.compiled:   # fresh tensors (the rotary tables are looked up once per positions tensor)
             tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
             return [tensor(ids), tensor(positions), tensor(seq_lens), tensor(slots), tensor(tables).view(len(rows), -1)]
-        ids_b, pos_b, seq_b, slot_b, table_b = buf[:5]
-        batch = seq_b.shape[0]
-        for target, values, fill in ((ids_b, ids, 0), (pos_b, positions, 0), (slot_b, slots, -1),
-                                     (seq_b, seq_lens, 0)):
+        batch = buf.seq_lens.shape[0]
+        for target, values, fill in ((buf.input_ids, ids, 0), (buf.positions, positions, 0),
+                                     (buf.slot_mapping, slots, -1), (buf.seq_lens, seq_lens, 0)):
             target.copy_(torch.tensor(values + [fill] * (len(target) - len(values))))
-        table = table_b[:, :bucket]
-        table.copy_(torch.tensor(tables + [0] * ((batch - len(rows)) * bucket)).view(batch, bucket))
-        return [ids_b, pos_b, seq_b, slot_b, table]
+        buf.block_tables[:, :bucket].copy_(torch.tensor(tables + [0] * ((batch - len(rows)) * bucket)).view(batch,
+                                                                                                           bucket))
+        return buf.args(bucket)
 
     def kv_bucket(self, kv_len: int) -> int:
         """Blocks in the table a graph sees (at least 2: dynamo specializes sizes 0 and 1): on CUDA the next
@@ -137,13 +159,6 @@ class GraphRunner:
         the whole table (the dynamic kernel serves the widths between)."""
         buckets = {self.kv_bucket(n * self.block_size) for n in range(1, self.max_blocks + 1)}
         return sorted(buckets if self.cuda_graphs else {min(buckets), max(buckets)})
-
-    @staticmethod
-    def _inputs(buf, bucket: int) -> list:
-        table = buf[4][:, :bucket]
-        if buf[4].shape[1] > 1:   # (a one-block table has a single bucket; dynamo specializes size 1)
-            torch._dynamo.mark_dynamic(table, 1)   # one graph for every KV bucket
-        return buf[:4] + [table] + buf[5:]
 
     def _graph(self, what: str, batch: int, q: int):
         key = (what, batch, q)
@@ -161,26 +176,20 @@ class GraphRunner:
         if not self.compiled:   # (eager: the fused step as it is, fed fresh tensors, _load)
             return self._fused_step(what, batch, q), None
         dev, cfg = self.device, self.model.config
-        buf = [torch.zeros(batch * q, dtype=torch.long, device=dev), torch.zeros(batch * q, dtype=torch.long, device=dev),
-               torch.zeros(batch, dtype=torch.long, device=dev), torch.full((batch * q,), -1, dtype=torch.long, device=dev),
-               torch.zeros(batch, self.max_blocks, dtype=torch.long, device=dev),
-               None if what == "main" or what.startswith("fused")
-               else torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev),
-               torch.arange(batch, device=dev) * q if self.indexed(what, q) and not what.startswith("fused") else None]
-        query_start_loc = torch.arange(batch + 1, device=dev) * q
-        model, main_caches, mtp_caches = self.model, self.main_caches, self.mtp_caches
-        layer = None if what == "main" or what.startswith("fused") else int(what.removeprefix("mtp"))
-
-        def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden, output_index):
-            max_seq_len = block_tables.shape[1] * self.block_size
-            meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
-            if layer is None:
-                return model(input_ids, positions, meta, main_caches)
-            return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
-
-        if what in ("fused", "fused_sampled"):
+        fused = what.startswith("fused")
+        buf = StaticInputs(torch.zeros(batch * q, dtype=torch.long, device=dev),
+                           torch.zeros(batch * q, dtype=torch.long, device=dev),
+                           torch.zeros(batch, dtype=torch.long, device=dev),
+                           torch.full((batch * q,), -1, dtype=torch.long, device=dev),
+                           torch.zeros(batch, self.max_blocks, dtype=torch.long, device=dev))
+        if what.startswith("mtp"):
+            buf.prev_hidden = torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev)
+            buf.output_index = torch.arange(batch, device=dev) * q if self.indexed(what, q) else None
+        if fused:
             step = self._fused_step(what, batch, q)
-            buf = buf[:5] + (self._sampling_buffers(batch, q - 1) if what == "fused_sampled" else [])
+            buf.sampling = self._sampling_buffers(batch, q - 1) if what == "fused_sampled" else []
+        else:
+            step = self._pass_step(what, batch, q)
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.
         code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")
@@ -193,10 +202,24 @@ class GraphRunner:
         # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
             for bucket in buckets:
-                fn(*self._inputs(buf, bucket))
-                fn(*self._inputs(buf, bucket))
+                fn(*buf.args(bucket))
+                fn(*buf.args(bucket))
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
+
+    def _pass_step(self, what: str, batch: int, q: int):
+        """One model pass: the main model ("main") or MTP layer j ("mtp{j}") over `batch` rows of q tokens."""
+        query_start_loc = torch.arange(batch + 1, device=self.device) * q
+        model, main_caches, mtp_caches, block_size = self.model, self.main_caches, self.mtp_caches, self.block_size
+        layer = None if what == "main" else int(what.removeprefix("mtp"))
+
+        def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden, output_index):
+            max_seq_len = block_tables.shape[1] * block_size
+            meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
+            if layer is None:
+                return model(input_ids, positions, meta, main_caches)
+            return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
+        return step
 
     def _sampling_buffers(self, batch: int, k: int) -> list[torch.Tensor]:
         """The sampled fused step's further inputs, initially what the warm-up's padding rows run with: greedy,
