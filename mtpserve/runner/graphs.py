@@ -33,10 +33,10 @@ class StaticInputs:
     output_index: torch.Tensor | None = None    # MTP passes over 1+k tokens: the one token per row to output [B]
     sampling: list[torch.Tensor] | None = None  # fused steps: the sampled step's further inputs (else [])
 
-    def args(self, bucket: int) -> list:
+    def args(self, bucket: int, compiling: bool = False) -> list:
         table = self.block_tables[:, :bucket]
-        if self.block_tables.shape[1] > 1:   # (a one-block table has a single bucket; dynamo specializes size 1)
-            torch._dynamo.mark_dynamic(table, 1)   # one graph for every KV bucket
+        if compiling and self.block_tables.shape[1] > 1:   # (a one-block table has one bucket: dynamo
+            torch._dynamo.mark_dynamic(table, 1)   # specializes size 1) one graph for every KV bucket
         head = [self.input_ids, self.positions, self.seq_lens, self.slot_mapping, table]
         return head + (self.sampling if self.sampling is not None else [self.prev_hidden, self.output_index])
 
@@ -202,8 +202,8 @@ class GraphRunner:
         # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
             for bucket in buckets:
-                fn(*buf.args(bucket))
-                fn(*buf.args(bucket))
+                fn(*buf.args(bucket, compiling=True))
+                fn(*buf.args(bucket, compiling=True))
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
 
