@@ -57,3 +57,12 @@ def test_readme_quick_start_runs_as_written():
     namespace = {}
     exec(_blocks("python")[0], namespace)
     assert namespace["outs"][0].outputs[0].logprobs and namespace["llm"].get_metrics()["num_drafts"] > 0
+
+
+def test_gpu_check_says_there_is_no_cuda_device_and_exits_0():
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi"):
+        return   # (a GPU machine runs the whole script: scripts/gpu_check.sh)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "no CUDA device" in out.stdout
