@@ -255,3 +255,14 @@ def test_compute_floor_counts_every_fed_token():
     assert f["weight_flops"] == 2 * (48 * w["layers"] + 12 * w["head"])
     assert f["floor_seconds"] == pytest.approx(f["weight_flops"] / 1e9)
     assert f["max_output_tokens_per_s"] == pytest.approx(12 / f["floor_seconds"])
+
+
+def test_bench_quantization(ckpt, tmp_path):
+    """int8 / bf16 / fp32 x no MTP / MTP side by side: every row, perplexities, fp32 MTP equal to no MTP."""
+    rec = run_cli(["bench", "quantization", "--model", ckpt, "--batch-sizes", "1", "--input-len", "5",
+                   "--output-len", "5", "--num-iters", "1", "--enforce-eager"], tmp_path / "q.json")
+    res = rec["results"]
+    assert {(r["weights"], r["spec"]) for r in res["rows"]} == {(w, s) for w in ("fp32", "bf16", "int8")
+                                                                for s in ("no_mtp", "mtp_k2")}
+    assert all(r["lossless"] for r in res["rows"] if r["weights"] == "fp32")
+    assert set(res["perplexity"]) == {"fp32", "bf16", "int8"} and all(p > 1 for p in res["perplexity"].values())

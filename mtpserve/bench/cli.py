@@ -1,9 +1,10 @@
-"""`mtpserve bench {latency,throughput,serve,peers,roofline,report}` (flags follow `vllm bench`)."""
+"""`mtpserve bench {latency,throughput,serve,peers,roofline,quantization,report,...}` (flags follow `vllm bench`)."""
 import argparse
 import asyncio
 import json
 
 from mtpserve.bench import common
+from mtpserve.bench.quantization import from_args as _quantization  # noqa: F401 (run_bench dispatches by name)
 from mtpserve.engine_args import add_graph_args, add_model_args, add_quantization_arg, graph_kwargs
 
 
@@ -54,8 +55,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _common(sa)
     sa.add_argument("--k", type=int, default=2)
     sa.add_argument("--batch-sizes", default="1,32", help="comma list")
-    qu = sub.add_parser("quantization", help="weight-only int8 vs bf16 and fp32: speed with and without MTP, "
-                                             "perplexity, agreement with bf16, acceptance")
+    qu = sub.add_parser("quantization", help="int8 vs bf16 vs fp32 weights: speed with and without MTP, quality")
     _common(qu)
     qu.add_argument("--k", type=int, default=2)
     qu.add_argument("--batch-sizes", default="1,8", help="comma list")
@@ -99,8 +99,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pa.add_argument("--tensor-parallel-sizes", default=None, help="comma list: the same as --layouts tp1,tp2,...")
     pa.add_argument("--batch-sizes", default="1,32", help="comma list")
     add_quantization_arg(pa)
-    ho = sub.add_parser("handoff",
-                        help="a decode server's first step after a hand-off: scheme 2 (no drafts) vs scheme 1")
+    ho = sub.add_parser("handoff", help="a decode server's first step after a hand-off: scheme 2 vs scheme 1")
     _common(ho, 256, 16)
     ho.add_argument("--k", type=int, default=1, help="num_speculative_tokens")
     sc = sub.add_parser("scaling", help="a checkpoint's layout over N devices (TP, DP+EP) from its config alone")
@@ -195,14 +194,6 @@ def _sampling(args, path: str) -> dict:
     res = sampling.run_sampling(path, args.k, common.parse_list(args.batch_sizes), args.input_len, args.output_len,
                                 args.num_iters, args.enforce_eager, args.dtype)
     print("\n".join(sampling.table(res)))
-    return res
-
-
-def _quantization(args, path: str) -> dict:
-    from mtpserve.bench import quantization
-    res = quantization.run_quantization(path, args.k, common.parse_list(args.batch_sizes), args.input_len,
-                                        args.output_len, args.num_iters, args.enforce_eager)
-    print("\n".join(quantization.table(res)))
     return res
 
 

@@ -16,7 +16,9 @@ WEIGHTS = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"), "int8"
 
 def run_quantization(model: str, k: int, batch_sizes: list[int], input_len: int, output_len: int, num_iters: int,
                      enforce_eager: bool | None, ppl_windows: int = 8, ppl_len: int = 256, log=print) -> dict:
+    from mtpserve.config import ModelConfig
     specs = {"no_mtp": None, f"mtp_k{k}": {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}}
+    ppl_len = min(ppl_len, ModelConfig.from_pretrained(model).max_position_embeddings // 2)   # (tiny test models)
     engines = {}
     for wname, weights in WEIGHTS.items():
         for sname, spec in specs.items():
@@ -81,3 +83,11 @@ def table(res: dict) -> list[str]:
     lines.append("perplexity on held-out code (" + str(res["perplexity_tokens"]) + " tokens): "
                  + ", ".join(f"{w} {p:.3f}" for w, p in res["perplexity"].items()))
     return lines
+
+
+def from_args(args, path: str) -> dict:
+    """`mtpserve bench quantization`."""
+    res = run_quantization(path, args.k, common.parse_list(args.batch_sizes), args.input_len, args.output_len,
+                           args.num_iters, args.enforce_eager)
+    print("\n".join(table(res)))
+    return res
