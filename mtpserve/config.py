@@ -225,7 +225,7 @@ class EngineConfig:
     block_size: int = 16                      # tokens per KV-cache block
     num_kv_blocks: int | None = None          # None -> sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.2     # of free memory (CUDA) / of total RAM (CPU), capped by need
-    enforce_eager: bool | None = None         # None: graphs on CUDA, eager on CPU (where graphs measured no faster)
+    enforce_eager: bool | None = None         # None: graphs on CUDA, eager on CPU (compiling takes minutes there)
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])   # graph mode's sizes
     speculative: SpeculativeConfig | None = None   # speculative_config (a dict in LLM / from_kwargs); None: off
     seed: int = 0                             # the engine's random stream (unseeded requests)

@@ -231,8 +231,8 @@ def _chosen_pairs(x, weights, ids, w13, w2) -> torch.Tensor:
 
 def _grouped_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     """Every (token, expert) choice as a row of one grouped GEMM pair (torch._grouped_mm), the rows sorted by
-    expert: no host loop, no host sync. In bf16 CPU graphs at batch 64: +5% over the opaque hit-experts op
-    (eagerly it gained 2% at batch 64 and lost 5% at batch 8, so eager mode keeps the loop)."""
+    expert: no host loop, no host sync. Used in bf16 CPU graphs only (eagerly the loop is as fast; A/B in
+    docs/BENCHMARKS.md)."""
     flat = ids.flatten()
     order = flat.argsort(stable=True)
     token_of = order // ids.shape[1]
