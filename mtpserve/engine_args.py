@@ -88,7 +88,8 @@ def add_graph_args(p: argparse.ArgumentParser, batch_sizes: bool = True) -> None
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never use graphs (default: graphs on CUDA, eager on CPU)")
     p.add_argument("--graph-mode", action="store_true",
-                   help="compiled decode steps also on the CPU (faster decode; ~10-100 s of compiling at start-up)")
+                   help="compiled decode steps also on the CPU (faster decode; compiling at start-up: seconds with a "
+                        "warm inductor cache, minutes cold)")
     if batch_sizes:
         p.add_argument("--graph-batch-sizes", default=None,
                        help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
