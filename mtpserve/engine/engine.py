@@ -168,7 +168,7 @@ class LLMEngine:
         for s in scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
         k_next = adaptive.plan_drafts(self.policy, scheduled)
-        steady = adaptive.steady_batch(scheduled, k_next)
+        steady = self.policy.steady(scheduled, k_next)
         if self._model_thread is None:
             results = Future()
             results.set_result(self._execute_isolating(scheduled))

@@ -10,7 +10,7 @@ from mtpserve.engine.scheduler import ScheduledRequest
 @dataclass
 class Flight:
     """A step handed to the model: what was scheduled, the k it drafts and whether it is steady (adaptive k:
-    adaptive.steady_batch), its results to come."""
+    the policy's steady), its results to come."""
     scheduled: list[ScheduledRequest]
     k_next: int | None
     steady_batch: int | None

@@ -143,13 +143,16 @@ class MoE(nn.Module):
     def fuse(self) -> None:
         """Inference only: the experts' weights become views of two tensors, w13 [E, 2I, H] (gate and up of
         an expert as one GEMM) and w2 [H, E, I] (all down projections side by side: one GEMM over all
-        experts' outputs); the state dict keeps its names. FP8 experts are stacked with their scales."""
+        experts' outputs); the state dict keeps its names. FP8 and int8 experts are stacked with their scales;
+        int8 down projections are stacked expert-major [E, H, I] and viewed as [H, E, I], so that one expert's
+        w2[:, e] is contiguous (the int8 kernel reads its weight and scales so)."""
         def stack(attr):
+            down = [getattr(e.down_proj, attr) for e in experts]
             return (torch.stack([torch.cat([getattr(e.gate_proj, attr), getattr(e.up_proj, attr)]) for e in experts]),
-                    torch.stack([getattr(e.down_proj, attr) for e in experts], dim=1))
+                    torch.stack(down).movedim(0, 1) if int8 else torch.stack(down, dim=1))
 
         experts = list(self.experts.values())
-
+        int8 = getattr(experts[0].gate_proj, "int8_scale", None) is not None
         w13, w2 = stack("weight")
         inter = w2.shape[-1]
         for i, e in enumerate(experts):
@@ -157,17 +160,12 @@ class MoE(nn.Module):
             e.up_proj.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
             e.down_proj.weight = nn.Parameter(w2[:, i], requires_grad=False)
         self.w13, self.w2 = w13, w2
-        if getattr(experts[0].gate_proj, "int8_scale", None) is not None:
-            # int8: the down projections stacked expert-major [E, H, I] and viewed as [H, E, I], so that one
-            # expert's w2[:, e] is contiguous (the int8 kernel's weight must be)
-            down = torch.stack([e.down_proj.weight for e in experts]).permute(1, 0, 2)
-            s13 = stack("int8_scale")[0]
-            s2 = torch.stack([e.down_proj.int8_scale for e in experts]).permute(1, 0)   # (the same for the scales)
+        if int8:
+            s13, s2 = stack("int8_scale")
             for i, e in enumerate(experts):
                 e.gate_proj.int8_scale, e.up_proj.int8_scale = s13[i, :inter], s13[i, inter:]
-                e.down_proj.weight = nn.Parameter(down[:, i], requires_grad=False)
                 e.down_proj.int8_scale = s2[:, i]
-            self.w13, self.w2 = Int8Weight(w13, s13), Int8Weight(down, s2)
+            self.w13, self.w2 = Int8Weight(w13, s13), Int8Weight(w2, s2)
         block = getattr(experts[0].gate_proj, "weight_block", None)
         if block is not None:
             s13, s2 = stack("weight_scale")

@@ -35,8 +35,9 @@ class StaticInputs:
 
     def args(self, bucket: int, compiling: bool = False) -> list:
         table = self.block_tables[:, :bucket]
-        if compiling and self.block_tables.shape[1] > 1:   # (a one-block table has one bucket: dynamo
-            torch._dynamo.mark_dynamic(table, 1)   # specializes size 1) one graph for every KV bucket
+        # one graph for every KV bucket (a one-block table has a single bucket: dynamo specializes size 1)
+        if compiling and self.block_tables.shape[1] > 1:
+            torch._dynamo.mark_dynamic(table, 1)
         head = [self.input_ids, self.positions, self.seq_lens, self.slot_mapping, table]
         return head + (self.sampling if self.sampling is not None else [self.prev_hidden, self.output_index])
 
@@ -87,13 +88,12 @@ class GraphRunner:
         n, q = len(rows), len(rows[0].token_ids)
         batch = batch or self.padded_size(n)
         fn, buf = self._graph(what, batch, q)
-        bucket = self.kv_bucket(max(r.start for r in rows) + q)
-        self._load(buf, rows, q, bucket)
+        inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + q))
         if buf.prev_hidden is not None:
             buf.prev_hidden[:n * q].copy_(prev_hidden)
         if buf.output_index is not None:   # padding rows read their own first token
             buf.output_index.copy_(torch.tensor(output_index + [i * q for i in range(n, batch)]))
-        out = fn(*buf.args(bucket))
+        out = fn(*inputs)
         out = out[:n] if output_index is not None else out[:n * q]
         # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
         return out.clone() if self.cuda_graphs else out

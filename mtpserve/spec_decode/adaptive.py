@@ -39,6 +39,9 @@ class FixedK:
     def choose_for(self, scheduled) -> int:
         return self.max_k
 
+    def steady(self, scheduled, k: int) -> None:
+        return None   # (nothing is timed)
+
     def observe(self, steady: int | None, results, k: int, seconds: float) -> None:
         pass
 
@@ -133,8 +136,14 @@ class AdaptiveK:
         rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
         return self.choose(len(scheduled), [min(r, self.max_k + 1) for r in rooms if r > 0])
 
+    def steady(self, scheduled, k: int) -> int | None:
+        """The batch size if every request verifies k drafts and drafts k (the shape the table is keyed on)."""
+        if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
+            return len(scheduled)
+        return None
+
     def observe(self, steady: int | None, results, k: int, seconds: float) -> None:
-        """The acceptance of the drafts a step verified; its time, when it was steady (steady_batch)."""
+        """The acceptance of the drafts a step verified; its time, when it was steady (self.steady)."""
         for r in results:
             if not isinstance(r, Exception) and r.num_drafts:
                 self.observe_verification(r.num_drafts, r.num_accepted)
@@ -179,10 +188,3 @@ def plan_drafts(policy, scheduled) -> int:
     for s in scheduled:
         s.num_next_drafts = k
     return k
-
-
-def steady_batch(scheduled, k: int) -> int | None:
-    """The batch size if every request verifies k drafts and drafts k (the shape the table is keyed on)."""
-    if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
-        return len(scheduled)
-    return None

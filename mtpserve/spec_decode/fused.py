@@ -182,4 +182,5 @@ def fused_graph(runner, scheduled) -> str | None:
 def _decodes(s, k: int) -> bool:
     """Request s runs a decode step a fused graph can take: its pending token and k drafts, neither handed
     over nor held for a hand-off, nor reading its logits on the host (processors, logprobs: the separate path)."""
-    return (s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and not s.req.hold_kv and s.req.mtp_prefix_hidden is None and not s.req.params.wants_logits)
+    return (s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and not s.req.hold_kv
+            and s.req.mtp_prefix_hidden is None and not s.req.params.wants_logits)
