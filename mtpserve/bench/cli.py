@@ -4,7 +4,8 @@ import asyncio
 import json
 
 from mtpserve.bench import common
-from mtpserve.bench.quantization import from_args as _quantization  # noqa: F401 (run_bench dispatches by name)
+from mtpserve.bench.peers import from_args as _peers  # noqa: F401 (run_bench dispatches by name)
+from mtpserve.bench.quantization import from_args as _quantization  # noqa: F401
 from mtpserve.engine_args import add_graph_args, add_model_args, add_quantization_arg, graph_kwargs
 
 
@@ -86,10 +87,17 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sv.add_argument("--max-concurrency", type=int, default=None)
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--seed", type=int, default=0)
-    pe = sub.add_parser("peers", help="our engine vs transformers generate (plain and use_mtp) on the same prompts")
+    pe = sub.add_parser("peers", help="our engine vs transformers generate and llama.cpp on the same checkpoint")
     _common(pe, 32, 64)
+    pe.add_argument("--peers", default="transformers", help="comma list of transformers,llamacpp")
     pe.add_argument("--k", type=int, default=1, help="our MTP k for the comparison (0: none)")
     pe.add_argument("--no-hf-mtp", action="store_true", help="skip transformers generate(use_mtp=True)")
+    pe.add_argument("--dtypes", default="float32,bfloat16,int8",
+                    help="llamacpp: our dtypes, each against its GGUF twin (f32, bf16, Q8_0 for int8)")
+    pe.add_argument("--ks", default="0,1,2", help="llamacpp: our fixed k per engine, 0 = no MTP")
+    pe.add_argument("--adaptive", action="store_true", help="llamacpp: also adaptive k up to the largest --ks")
+    pe.add_argument("--batch-sizes", default="1,8,32", help="llamacpp: decode batch sizes")
+    pe.add_argument("--prompt-lens", default="512,2048", help="llamacpp: prompt-processing lengths")
     rf = sub.add_parser("roofline", help="bandwidth floor of a decode step vs the measured step (random ~300M model)")
     _common(rf, 32, 16)
     pa = sub.add_parser("parallel", help="parallel layouts side by side (same cores), and what their collectives cost")
@@ -222,16 +230,6 @@ def _throughput(args, path: str) -> dict:
                                     args.tensor_parallel_size)
     print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['output_tokens_per_s']:.1f} output tokens/s, "
           f"{res['total_tokens_per_s']:.1f} total tokens/s ({res['num_prompts']} prompts in {res['elapsed_s']:.2f}s)")
-    return res
-
-
-def _peers(args, path: str) -> dict:
-    from mtpserve.bench import throughput
-    res = throughput.run_peer_comparison(path, args.k, args.input_len, args.output_len, args.batch_size,
-                                         args.num_prompts, args.enforce_eager, with_mtp=not args.no_hf_mtp,
-                                         dtype=args.dtype)
-    for name, v in res["ratios"].items():
-        print(f"  {name}: {v:.2f}x")
     return res
 
 

@@ -1,5 +1,6 @@
 """Peers on the same checkpoint and prompts: transformers' DeepseekV3ForCausalLM.generate, greedy, plain
-(batch 1 and batched) and with its MTP candidate generator (generate(use_mtp=True), batch 1 only)."""
+(batch 1 and batched) and with its MTP candidate generator (generate(use_mtp=True), batch 1 only); llama.cpp
+(bench/llamacpp.py)."""
 import json
 import os
 import time
@@ -85,3 +86,29 @@ def _match(theirs: list[list[int]], ours: list[list[int]] | None) -> dict | None
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in pairs]
     return dict(requests_identical=equal, requests_compared=len(pairs),
                 mean_identical_prefix_tokens=sum(prefix) / len(prefix) if prefix else None)
+
+
+def from_args(args, path: str) -> dict:
+    """`mtpserve bench peers`: the peers named by --peers, one after the other."""
+    from mtpserve.bench import common, llamacpp, throughput
+    peers = common.parse_list(args.peers, str)
+    res = {}
+    if "llamacpp" in peers:
+        why = llamacpp.missing()
+        if why:
+            print(f"skipping the llama.cpp peer: {why}")
+            res["llamacpp"] = dict(skipped=why)
+        else:
+            res["llamacpp"] = llamacpp.run_llamacpp(
+                path, common.parse_list(args.dtypes, str), common.parse_list(args.ks), args.adaptive,
+                common.parse_list(args.batch_sizes), common.parse_list(args.prompt_lens), args.input_len,
+                args.output_len, args.num_iters, args.threads or 1, args.enforce_eager)
+            print("\n".join(llamacpp.table(res["llamacpp"])))
+    if "transformers" not in peers:
+        return res
+    res |= throughput.run_peer_comparison(path, args.k, args.input_len, args.output_len, args.batch_size,
+                                         args.num_prompts, args.enforce_eager, with_mtp=not args.no_hf_mtp,
+                                         dtype=args.dtype)
+    for name, v in res["ratios"].items():
+        print(f"  {name}: {v:.2f}x")
+    return res

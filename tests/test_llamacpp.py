@@ -1,0 +1,47 @@
+"""The llama.cpp peer's glue: converting our checkpoint with llama.cpp's own converter (skipped where that converter
+is not on this machine: scripts/build_llamacpp.sh puts it there), and the benchmark's message where the peer is
+not built."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mtpserve import default_model_path
+from mtpserve.bench import llamacpp
+
+CONVERTER = os.path.join(llamacpp.llamacpp_dir(), "convert_hf_to_gguf.py")
+
+
+@pytest.mark.skipif(not os.path.isfile(CONVERTER), reason=f"llama.cpp's converter is not at {CONVERTER} "
+                                                          "(scripts/build_llamacpp.sh fetches it)")
+def test_tiny_checkpoint_converts_to_a_gguf_llamacpp_can_load(tmp_path):
+    from mtpserve.model.checkpoint import write_random_checkpoint
+    ckpt = str(tmp_path / "ckpt")
+    write_random_checkpoint(ckpt, seed=0, vocab_size=4096, num_hidden_layers=3, num_nextn_predict_layers=1,
+                            q_lora_rank=None, first_k_dense_replace=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(default_model_path(), name), ckpt)
+    out = str(tmp_path / "tiny-f32.gguf")
+    subprocess.run([sys.executable, "-m", "mtpserve.bench.gguf_convert", llamacpp.llamacpp_dir(), ckpt, out, "f32"],
+                   check=True, capture_output=True)
+    sys.path.insert(0, os.path.join(llamacpp.llamacpp_dir(), "gguf-py"))
+    import gguf
+    reader = gguf.GGUFReader(out)
+    field = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("tokenizer.ggml.")
+             or f.name == "tokenizer.ggml.pre"}
+    assert field["general.architecture"] == "deepseek2"
+    assert field["tokenizer.ggml.pre"] == "gpt-2"              # our ByteLevel/GPT-2 split, named explicitly
+    assert field["deepseek2.attention.q_lora_rank"] == 0       # a plain query projection
+    assert field["deepseek2.block_count"] == 3                 # the MTP layer is dropped
+    assert not [t.name for t in reader.tensors if t.name.startswith("blk.3.")]
+    if llamacpp.tool("llama-bench"):                          # llama.cpp itself loads and runs it
+        speeds = llamacpp.llama_bench(out, threads=1, prompt_lens=[16], gen_len=4, reps=1)
+        assert speeds["pp16"] > 0 and speeds["tg4"] > 0
+
+
+def test_peer_not_built_says_how_to_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPSERVE_LLAMACPP_DIR", str(tmp_path))
+    why = llamacpp.missing()
+    assert "scripts/build_llamacpp.sh" in why and str(tmp_path) in why
