@@ -78,7 +78,9 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
                  prompt_lens: list[int], input_len: int, output_len: int, num_iters: int, threads: int,
                  enforce_eager: bool | None, log=print) -> dict:
     """Per dtype: llama.cpp, then ours, then llama.cpp again (their figures: the mean of the two runs)."""
-    max_len = max(prompt_lens + [input_len + output_len])
+    from mtpserve.config import ModelConfig
+    positions = ModelConfig.from_pretrained(model).max_position_embeddings
+    max_len = min(max(prompt_lens + [input_len + output_len]), positions - max(ks) - 8)   # (build_engine's headroom)
     specs = {("no_mtp" if k == 0 else f"mtp_k{k}"): spec_dict(k, "mqa", None, None) for k in ks}
     if adaptive:
         specs[f"adaptive_k{max(ks)}"] = dict(method="mtp", num_speculative_tokens=max(ks), adaptive=True)
@@ -92,6 +94,7 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
         start = time.perf_counter()
         runs = run_interleaved(engines, batch_sizes, input_len, output_len, num_iters, log=log)
         ours = {name: {bs: _decode_speed(aggregate(runs[(bs, name)]), bs) for bs in batch_sizes} for name in engines}
+        # a 2,048-token prompt in a model of 2,048 positions: ours gets the longest that leaves room to generate
         pp = {f"pp{n}": our_prompt_speed(engines["no_mtp"], min(n, max_len - 1), num_iters) for n in prompt_lens}
         log(f"  ours {dtype}: {time.perf_counter() - start:.0f} s")
         for eng in engines.values():
@@ -99,7 +102,7 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
         theirs.append(_theirs(gguf, threads, prompt_lens, output_len, batch_sizes, num_iters, log))
         rows.append(dict(dtype=dtype, gguf_type=outtype, ours=ours, ours_prompt=pp, llamacpp=_mean(theirs)))
     return dict(threads=threads, input_len=input_len, output_len=output_len, batch_sizes=batch_sizes,
-                prompt_lens=prompt_lens, num_iters=num_iters, rows=rows)
+                prompt_lens=prompt_lens, our_prompt_lens=[min(n, max_len - 1) for n in prompt_lens], num_iters=num_iters, rows=rows)
 
 
 def _theirs(gguf: str, threads: int, prompt_lens: list[int], gen_len: int, batch_sizes: list[int], reps: int,

@@ -38,6 +38,7 @@ class AttentionMetadata:
     token_row: torch.Tensor | None = None   # [N] request of each token
     token_col: torch.Tensor | None = None   # [N] index of each token inside its request's query block
     mask: torch.Tensor | None = None        # [B, 1, max_q, max_kv] True = may attend
+    causal: bool = False                    # the mask is plain causal: every row's queries are all its keys
     keys_buffer: torch.Tensor | None = None  # eager only: gathered cache blocks, reused layer after layer
     # A batch mixing decode rows (a few query tokens) with prompt chunks: (flat token indices, metadata) of each
     # kind, attending apart. Together every row would be padded to the longest chunk and take the expanded
@@ -62,6 +63,8 @@ class AttentionMetadata:
         self.token_col = torch.arange(num_tokens, device=device) - qsl[:-1][self.token_row]
         query_pos = torch.full((len(query_lens), self.max_query_len), -1, dtype=torch.long, device=device)
         query_pos[self.token_row, self.token_col] = positions
+        self.causal = (self.max_query_len == self.max_seq_len and num_tokens == len(query_lens) * self.max_query_len
+                       and not torch.compiler.is_compiling() and bool((self.seq_lens == self.max_seq_len).all()))
         return self.set_mask(query_pos)
 
     def set_mask(self, query_pos: torch.Tensor) -> "AttentionMetadata":
@@ -249,9 +252,12 @@ class MLAttention(nn.Module):
         k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
         key = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
         query = to_padded(torch.cat([q_nope, q_pe], dim=-1))
+        # values padded to the keys' head size [.., 32] -> [.., 48]: fused (flash) kernels need one head size
+        value = F.pad(value, (0, key.shape[-1] - self.v_dim))
         out = F.scaled_dot_product_attention(query, key.transpose(1, 2), value.transpose(1, 2),
-                                             attn_mask=meta.mask, scale=self.scale)
-        return from_padded(out)                                                # [N, H, v]
+                                             attn_mask=None if meta.causal else meta.mask, is_causal=meta.causal,
+                                             scale=self.scale)
+        return from_padded(out[..., :self.v_dim])                              # [N, H, v]
 
     def _absorb_queries(self, q_nope: torch.Tensor) -> torch.Tensor:   # [N, H, nope] -> [N, H, r]
         if self.w_uk is None:

@@ -65,7 +65,8 @@ def build_batch(rows: list[Row], block_size: int, device, split: bool = True
     meta = AttentionMetadata(query_start_loc=tensor(query_start_loc), seq_lens=tensor(seq_lens),
                              slot_mapping=tensor(slots), block_tables=tensor(tables),
                              max_query_len=max_query_len, max_seq_len=max(seq_lens),
-                             token_row=tensor(token_row), token_col=tensor(token_col))
+                             token_row=tensor(token_row), token_col=tensor(token_col),
+                             causal=all(r.start == 0 and len(r.token_ids) == max_query_len for r in rows))
     if split and max_query_len > ABSORB_MAX_QUERY_LEN:   # (never in a decode step)
         short = [i for i, r in enumerate(rows) if len(r.token_ids) <= ABSORB_MAX_QUERY_LEN]
         long = [i for i, r in enumerate(rows) if len(r.token_ids) > ABSORB_MAX_QUERY_LEN]
