@@ -4,7 +4,7 @@
 # tokens) arriving while others decode. Shipped model, MTP k=1. Hand-off counters are saved from /metrics.
 set -euxo pipefail
 cd "$(dirname "$0")/.."
-R=docs/bench_results
+R=${R:-docs/bench_results}
 mkdir -p $R
 SPEC='{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}'
 BENCH="mtpserve bench serve --num-prompts 24 --input-len 1024 --output-len 64 --max-concurrency 4 --seed 0"

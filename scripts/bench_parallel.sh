@@ -4,8 +4,13 @@
 # ~300M MoE random model (TP=2 vs DP=2+EP), and the shipped model with MTP (acceptance unchanged).
 set -euxo pipefail
 cd "$(dirname "$0")/.."
-R=docs/bench_results
+R=${R:-docs/bench_results}
 mkdir -p $R runs/bench
+if [ "${1:-}" = "--default-model-only" ]; then   # (bench_all.sh: the shipped model's layouts)
+  mtpserve bench parallel --threads 2 --layouts tp1,tp2,dp2ep --dtype float32 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}' \
+    --batch-sizes 1,8 --input-len 32 --output-len 64 --num-iters 2 --output-json $R/parallel_default_mtp_k1.json
+  exit 0
+fi
 M=runs/bench/tp_model_bf16
 E=runs/bench/ep_model_bf16
 [ -f $M/config.json ] || python -c "

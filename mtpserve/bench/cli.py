@@ -2,6 +2,7 @@
 import argparse
 import asyncio
 import json
+import time
 
 from mtpserve.bench import common
 from mtpserve.bench.peers import from_args as _peers  # noqa: F401 (run_bench dispatches by name)
@@ -158,6 +159,7 @@ def run_bench(args) -> dict | None:
     record["measurement_mode"] = ("SYNTHETIC ACCEPTANCE (each draft passes with probability "
                                   f"{args.synthetic_acceptance}; output is not lossless)"
                                   if getattr(args, "synthetic_acceptance", None) is not None else "real")
+    record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     common.write_json(record, args.output_json)
     if args.bench_command == "latency" and args.plot_dir:
         from mtpserve.bench import plots

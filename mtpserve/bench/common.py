@@ -142,12 +142,26 @@ def run_record(kind: str, args) -> dict:
     except Exception:
         mtp_version = "unknown"
     return dict(benchmark=kind, command=command_line(kind, args), argv=list(sys.argv),
-                started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
                 machine=dict(cpu_count=os.cpu_count(), platform=platform.platform(), processor=platform.processor(),
                              python=platform.python_version(), cuda=torch.cuda.is_available(),
                              torch_threads=torch.get_num_threads()),
                 versions=dict(torch=torch.__version__, transformers=transformers.__version__, mtpserve=mtp_version),
                 args={k: v for k, v in vars(args).items() if k != "func" and _jsonable(v)})
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with "+dirty" when it has uncommitted changes), or None outside a git checkout."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
 
 
 def command_line(kind: str, args) -> str:
