@@ -45,3 +45,18 @@ def test_peer_not_built_says_how_to_build(tmp_path, monkeypatch):
     monkeypatch.setenv("MTPSERVE_LLAMACPP_DIR", str(tmp_path))
     why = llamacpp.missing()
     assert "scripts/build_llamacpp.sh" in why and str(tmp_path) in why
+
+
+def test_table_and_summary_ratios_are_ours_over_theirs():
+    res = dict(threads=1, output_len=128, batch_sizes=[1, 8], prompt_lens=[512], our_prompt_lens=[512], rows=[dict(
+        dtype="int8", gguf_type="q8_0", llamacpp={"pp512": 1000.0, "tg128": 400.0, "batch8": 800.0},
+        ours_prompt={"pp512": 1500.0},
+        ours={"no_mtp": {"1": dict(tokens_per_s=200.0), "8": dict(tokens_per_s=400.0)},
+              "mtp_k2": {"1": dict(tokens_per_s=300.0), "8": dict(tokens_per_s=1200.0)}})])
+    text = "\n".join(llamacpp.table(res))
+    assert "| mtpserve int8 no_mtp | 1500 (1.50x) | 200.0 (0.50x) | 400.0 (0.50x) |" in text
+    assert "| llama.cpp q8_0 | 1000 | 400.0 | 800.0 |" in text
+    said = llamacpp.summary(res)
+    assert "batch 1 decode, ours / llama.cpp: 0.50x without speculation, 0.75x with" in said
+    assert "batch 8 decode, ours / llama.cpp: 0.50x without speculation, 1.50x with" in said
+    assert "512-token prompts 1.50x" in said

@@ -120,8 +120,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     rp = sub.add_parser("report", help="write docs/BENCHMARKS.md (and plots) from result JSON files")
     rp.add_argument("--results", nargs="+", required=True, help="result JSON files")
     rp.add_argument("--out", default="docs/BENCHMARKS.md")
-    rp.add_argument("--plot-dir", default="docs")
-    rp.add_argument("--notes", default=None, help="markdown file placed after the targets (the analysis)")
+    rp.add_argument("--plot-dir", default="docs/plots")
 
 
 def run_bench(args) -> dict | None:
@@ -132,8 +131,7 @@ def run_bench(args) -> dict | None:
         return None
     if args.bench_command == "report":
         from mtpserve.bench import report
-        notes = open(args.notes).read().strip() if args.notes else None
-        report.write_report(args.results, args.out, args.plot_dir, notes)
+        report.write_report(args.results, args.out, args.plot_dir)
         return None
     if hasattr(args, "graph_mode"):
         args.enforce_eager = graph_kwargs(args)["enforce_eager"]

@@ -93,7 +93,7 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
                                       graph_batch_sizes=batch_sizes, **weights) for name, spec in specs.items()}
         start = time.perf_counter()
         runs = run_interleaved(engines, batch_sizes, input_len, output_len, num_iters, log=log)
-        ours = {name: {bs: _decode_speed(aggregate(runs[(bs, name)]), bs) for bs in batch_sizes} for name in engines}
+        ours = {name: {str(bs): _decode_speed(aggregate(runs[(bs, name)]), bs) for bs in batch_sizes} for name in engines}
         # a 2,048-token prompt in a model of 2,048 positions: ours gets the longest that leaves room to generate
         pp = {f"pp{n}": our_prompt_speed(engines["no_mtp"], min(n, max_len - 1), num_iters) for n in prompt_lens}
         log(f"  ours {dtype}: {time.perf_counter() - start:.0f} s")
@@ -138,10 +138,30 @@ def table(res: dict) -> list[str]:
             o = r["ours"][name]
             pp = [f"{r['ours_prompt'][f'pp{n}']:.0f} ({r['ours_prompt'][f'pp{n}'] / t[f'pp{n}']:.2f}x)"
                   if name == "no_mtp" else "" for n in res["prompt_lens"]]
-            dec = [f"{o[b]['tokens_per_s']:.1f} ({o[b]['tokens_per_s'] / _their_decode(t, b, res):.2f}x)" for b in bs]
+            dec = [f"{o[str(b)]['tokens_per_s']:.1f} ({o[str(b)]['tokens_per_s'] / _their_decode(t, b, res):.2f}x)" for b in bs]
             lines.append(f"| mtpserve {r['dtype']} {name} | " + " | ".join(pp + dec) + " |")
     return lines
 
 
 def _their_decode(t: dict, batch: int, res: dict) -> float:
     return t[f"tg{res['output_len']}"] if batch == 1 else t[f"batch{batch}"]
+
+
+def summary(res: dict) -> str:
+    """One line per question, from the ratios (ours / llama.cpp, same dtype)."""
+    parts = []
+    for b in res["batch_sizes"]:
+        plain = [r["ours"]["no_mtp"][str(b)]["tokens_per_s"] / _their_decode(r["llamacpp"], b, res) for r in res["rows"]]
+        best = [max(o[str(b)]["tokens_per_s"] for o in r["ours"].values()) / _their_decode(r["llamacpp"], b, res)
+                for r in res["rows"]]
+        parts.append(f"batch {b} decode, ours / llama.cpp: {_span(plain)} without speculation, {_span(best)} with "
+                     "the best of our engines")
+    for n in res["prompt_lens"]:
+        pp = [r["ours_prompt"][f"pp{n}"] / r["llamacpp"][f"pp{n}"] for r in res["rows"]]
+        parts.append(f"{n}-token prompts {_span(pp)}")
+    return "; ".join(parts) + " (ranges over " + ", ".join(r["dtype"] for r in res["rows"]) + ")."
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}x"

@@ -1,287 +1,221 @@
-"""docs/BENCHMARKS.md (and its plots), generated from result JSON files (`mtpserve bench report`)."""
+"""docs/BENCHMARKS.md from one run of scripts/bench_all.sh (`mtpserve bench report --results DIR/*.json`): the
+setup, then one section per question, each with the command and the hour it ran, its table, its plot, and a few
+lines on what the numbers say, written from the numbers themselves."""
 import json
 import os
 
-from mtpserve.bench.plots import plot_latency
+from mtpserve.bench import plots
+from mtpserve.bench.report_tables import DEFINITIONS, _f, _mode, latency_tables, other_table, peers_table
 
 
-DEFINITIONS = """Definitions. **ITL**: time between consecutive engine steps that give a request tokens (one verify
-step with MTP, which may emit several tokens). **TPOT**: (e2e latency - TTFT) / (output tokens - 1), the first
-token excluded. **Acceptance rate**: accepted draft tokens / proposed draft tokens. **Mean acceptance length**:
-1 + accepted / drafts (tokens per verify step). **Per position**: fraction of verify steps whose draft i was
-accepted. **TPOT speedup**: TPOT(no MTP) / TPOT(config) at the same batch size. All latency runs: greedy
-(temperature 0), ignore_eos, fixed output length; prompts are slices of the standard library's held-out files
-(neither default model trained on them; bench/common.py) tokenized with the model's tokenizer."""
+def _kind(name: str, rec: dict) -> str:
+    """The section a record belongs to: its benchmark, with peers and serving runs told apart by file name."""
+    kind = rec.get("benchmark", "")
+    if kind == "peers":
+        return "peers_llamacpp" if "llamacpp" in rec["results"] else "peers_transformers"
+    if kind == "serve" or kind == "handoff":
+        return "disagg" if name.startswith(("disagg", "handoff")) else "serve"
+    return kind
 
 
-def _mode(rec: dict) -> str:
-    """How the run's engines ran when it had one mode: its --graph-mode flag."""
-    return "graph" if rec.get("args", {}).get("graph_mode") else "eager"
+SECTIONS = [   # (kind, title, the question it answers)
+    ("latency", "MTP speedup by k and batch size, eager and graph mode",
+     "How much faster does a request decode with MTP, for each number of drafts k?"),
+    ("adaptive", "Adaptive k against fixed k", "Does choosing k per step match the best fixed k?"),
+    ("peers_llamacpp", "Against llama.cpp on the same checkpoint",
+     "How does mtpserve compare with llama.cpp at the same threads and weight type?"),
+    ("peers_transformers", "Against transformers on the same checkpoint",
+     "How does mtpserve compare with transformers' generate (plain and with its MTP candidate generator)?"),
+    ("quantization", "Weight types: int8, bf16, fp32", "What do int8 weights cost in quality and buy in speed?"),
+    ("serve", "Serving by concurrency", "What do clients of `mtpserve serve` see, without and with MTP?"),
+    ("sampling", "Request features with MTP",
+     "Does MTP keep its speedup with logprobs, penalties and structured outputs?"),
+    ("prefix", "Prefix cache", "What does the prefix cache save on shared prompts?"),
+    ("parallel", "Scaling layouts", "One process, TP=2 and DP=2+EP on the same 2 cores"),
+    ("disagg", "Prefill/decode disaggregation", "Colocated vs one prefill and one decode server, both hand-offs"),
+]
 
 
-def _f(v, fmt="{:.2f}"):
-    return "-" if v is None else fmt.format(v)
-
-
-def latency_tables(rec: dict) -> list[str]:
-    rows = rec["results"]["configs"]
-    out = [f"Command: `{rec['command']}`", "", f"Model: `{rec.get('model', {}).get('path')}` ({rec.get('model_kind')}) — "
-           f"{rec.get('model', {}).get('num_params_in_checkpoint', 0) / 1e6:.1f}M parameters in the checkpoint; "
-           f"measurement mode: **{rec.get('measurement_mode', 'real')}**; {rec['results']['configs'][0]['num_iters']} "
-           f"iterations per config, interleaved.", ""]
-    seed_bs = min(r["batch_size"] for r in rows)
-    modes = list(dict.fromkeys(r.get("mode") for r in rows))
-    for m in modes:
-        mode = m or ("graph mode" if _mode(rec) == "graph" else "eager")
-        out += [f"Seed-style table (batch {seed_bs}, {mode}):", "",
-                "| config | ITL ms | TPOT ms | acceptance rate | mean acceptance length | TPOT speedup | ITL vs no MTP |",
-                "|---|---|---|---|---|---|---|"]
-        for r in rows:
-            if r["batch_size"] == seed_bs and r.get("mode") == m and (
-                    r["k"] == 0 or r["scorer"] == "mqa" or "mqa" not in {x["scorer"] for x in rows}):
-                drafter = "MTP" if r.get("method", "mtp") == "mtp" else r["method"]
-                name = "no MTP" if r["k"] == 0 else f"{drafter} k={r['k']}" + (
-                    f", draft vocab {r['draft_vocab_size']}" if r.get("draft_vocab_size") else "")
-                out.append(f"| {name} | {_f(r['itl_ms']['mean'])} | {_f(r['tpot_ms']['mean'])} | "
-                           f"{_f(r['acceptance_rate'], '{:.3f}')} | {_f(r['mean_acceptance_length'])} | "
-                           f"{_f(r.get('tpot_speedup'))}x | {_f(r.get('itl_ratio_vs_no_mtp'))}x |")
-        out.append("")
-    if modes == ["eager", "graph"]:
-        out += graph_vs_eager_table(rows, seed_bs)
-    out += ["", "Full sweep:", "",
-            "| batch | config | ITL ms | TPOT ms | output tok/s | acc. rate | acc. length | per position | "
-            "TPOT speedup | greedy = no MTP |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        pos = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        out.append(f"| {r['batch_size']} | {r['name']} | {_f(r['itl_ms']['mean'])} | {_f(r['tpot_ms']['mean'])} | "
-                   f"{_f(r['output_tokens_per_s'], '{:.1f}')} | {_f(r['acceptance_rate'], '{:.3f}')} | "
-                   f"{_f(r['mean_acceptance_length'])} | {pos} | {_f(r.get('tpot_speedup'))}x | "
-                   f"{_f(r.get('greedy_tokens_equal_no_mtp'), '{}')} |")
-    res = rec["results"]
-    frac = rec.get("model", {}).get("mtp_pass_over_main_step_params")
-    if frac:
-        out += ["", f"Cost model: one MTP pass (one MTP layer + the shared output head) has {100 * frac:.0f}% of the "
-                    "parameters a main-model decode step has (all layers + head; MoE layers counted whole). In a "
-                    "bandwidth- or overhead-bound step that puts a floor of about "
-                    f"{1 + frac:.2f}x under ITL(k=1)/ITL(no MTP) and ~{frac:.2f} extra main-step costs per extra k."]
-    out += ["", f"KV cache: {res['kv_cache_bytes_per_token']} bytes per token (all layers incl. MTP); peak RSS of "
-                f"the run {res['peak_rss_bytes'] / 2**20:.0f} MiB (all engines of the sweep together)."]
-    return out
-
-
-def peers_table(rec: dict) -> list[str]:
-    r = rec["results"]
-    bs = r["batch_size"]
-    out = [f"Command: `{rec['command']}`", "", f"{r['num_single']} prompts one at a time (batch 1) and {bs} at once; "
-           f"input {r['input_len']}, output {r['output_len']} tokens, greedy, {r.get('dtype', 'float32')} for "
-           f"both{', ours in graph mode' if _mode(rec) == 'graph' else ''}.", "",
-           "| system | batch 1 tok/s | batch " + str(bs) + " tok/s | greedy tokens identical to ours (no MTP) |",
-           "|---|---|---|---|"]
-    for name, v in r["ours"].items():
-        out.append(f"| mtpserve {name[5:]} | {v['batch1']['tokens_per_s']:.1f} | {v[f'batch{bs}']['tokens_per_s']:.1f} "
-                   f"| {'reference' if name == 'ours_no_mtp' else _yes(r['ours_mtp_tokens_equal_ours_no_mtp'], bs)} |")
-    hf = r["transformers"]
-    b1 = hf["hf_generate_batch1"]
-    bb = hf.get(f"hf_generate_batch{bs}", {})
-    out.append(f"| transformers generate | {b1['tokens_per_s']:.1f} | {_f(bb.get('tokens_per_s'), '{:.1f}')} | "
-               f"{_match(b1)}; batch {bs}: {_match(bb)} |")
-    m = hf.get("hf_generate_use_mtp_batch1", {})
-    if "tokens_per_s" in m:
-        out.append(f"| transformers generate(use_mtp=True) | {m['tokens_per_s']:.1f} | n/a (batch 1 only) | "
-                   f"{_match(m)} |")
-    elif m:
-        out.append(f"| transformers generate(use_mtp=True) | failed: {m.get('error')} | | |")
-    out += ["", "Ratios: " + ", ".join(f"{k} **{v:.2f}x**" for k, v in r["ratios"].items())]
-    f = r.get("compute_floor")
-    if f:
-        out += ["", f"Compute floor at batch {bs} (weight GEMM FLOPs of every prompt and generated token at this "
-                f"machine's best fp32 GEMM rate, {f['gemm_gflops']:.0f} GFLOP/s; attention, norms and per-op costs "
-                f"left out): {f['floor_seconds']:.2f} s, so at most **{f['max_output_tokens_per_s']:.0f} tok/s**, "
-                f"**{f['max_ratio_vs_hf']:.2f}x** transformers' measured batch-{bs} throughput. "
-                f"Ours runs at {100 * f['ours_no_mtp_fraction_of_floor']:.0f}% of that floor, transformers at "
-                f"{100 * f['hf_fraction_of_floor']:.0f}%."]
-    return out
-
-
-def _yes(eq: dict | None, bs: int) -> str:
-    return "-" if not eq else f"batch 1: {'yes' if eq['batch1'] else 'NO'}, batch {bs}: {'yes' if eq['batch'] else 'NO'}"
-
-
-def _match(d: dict) -> str:
-    t = d.get("tokens_equal_ours") if d else None
-    return "-" if not t else f"{t['requests_identical']}/{t['requests_compared']}"
-
-
-def other_table(rec: dict) -> list[str]:
-    r = rec["results"]
-    out = [f"Command: `{rec['command']}`", ""]
-    if rec["benchmark"] == "throughput":
-        out.append(f"{r['num_prompts']} prompts: {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} "
-                   f"output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s; mean acceptance length "
-                   f"{r['spec']['mean_acceptance_length']:.2f}; peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (process), "
-                   f"weights {r['weight_bytes'] / 2**20:.1f} MiB, KV cache {r['kv_cache_bytes_per_token']} bytes/token "
-                   f"({r['kv_cache_allocated_bytes'] / 2**20:.1f} MiB allocated).")
-    elif rec["benchmark"] == "serve":
-        sd = r.get("spec_decode") or {}
-        out += ["Server: " + ("MTP speculation (drafts counted in its /metrics)" if sd.get("num_drafts")
-                              else "no speculation (no drafts counted in its /metrics)"), ""]
-        out.append(f"{r['successful_requests']} ok / {r['failed_requests']} failed in {r['duration_s']:.1f}s; "
-                   f"{r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s.")
-        out += ["", "| metric | mean ms | median ms | p99 ms |", "|---|---|---|---|"]
-        for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-            out.append(f"| {k[:-3].upper()} | {_f(r[k]['mean'])} | {_f(r[k]['median'])} | {_f(r[k]['p99'])} |")
-        sd = r.get("spec_decode")
-        if sd and sd["num_drafts"]:
-            out += ["", f"Spec decode (from /metrics): acceptance rate {sd['acceptance_rate']:.3f}, mean acceptance "
-                        f"length {sd['mean_acceptance_length']:.2f}, per position "
-                        f"{[round(x, 3) for x in sd['acceptance_per_position']]}."]
-    elif rec["benchmark"] == "handoff":
-        out += [f"Decode engine in graph mode, MTP k={r['k']}, {r['batch_size']} requests of {r['input_len']} prompt "
-                "tokens handed over at once; their first decode step:", "",
-                "| first step | median ms | p99 ms | graph calls |", "|---|---|---|---|"]
-        for name, s in r["steps"].items():
-            out.append(f"| {name} | {_f(s['ms']['median'])} | {_f(s['ms']['p99'])} | {s['graph_calls']} |")
-    elif rec["benchmark"] == "roofline":
-        b = r["bytes_per_step"]
-        out.append(f"{r['main_model_params'] / 1e6:.0f}M-parameter dense random model, fp32. Memory bandwidth "
-                   f"(best of 5): read {r['bandwidth']['read_gb_per_s']:.1f} GB/s, copy "
-                   f"{r['bandwidth']['copy_gb_per_s']:.1f} GB/s. Bytes per batch-1 decode step: weights "
-                   f"{b['weight_bytes'] / 1e6:.0f} MB + KV {b['kv_bytes'] / 1e6:.2f} MB. Bandwidth floor "
-                   f"**{r['bandwidth_floor_step_ms']:.1f} ms/step** vs measured **{r['measured_step_ms_median']:.1f} "
-                   f"ms/step** (median; min {r['measured_step_ms_min']:.1f}) = {100 * r['fraction_of_roofline']:.0f}% "
-                   f"of the roofline. {' '.join(r['notes'])}")
-    return out
-
-
-def _yes_no(v) -> str:
-    return "—" if v is None else ("yes" if v else "no")
-
-
-def graph_vs_eager_table(rows: list[dict], bs: int) -> list[str]:
-    """The seed's graph-mode table: eager vs graph x (no-MTP ITL, MTP ITL, MTP TPOT, acceleration)."""
-    get = {(r["mode"], r["k"]): r for r in rows if r["batch_size"] == bs and (r["k"] == 0 or r["scorer"] == "mqa")
-           and not r.get("draft_vocab_size")}
-    ks = sorted({k for _, k in get if k})
-    out = [f"Eager vs graph mode (batch {bs}; acceleration = eager no-MTP TPOT / this TPOT):", "",
-           "| | eager | graph | graph / eager |", "|---|---|---|---|"]
-    e0, g0 = get.get(("eager", 0)), get.get(("graph", 0))
-    if e0 and g0:
-        out.append(f"| no MTP ITL ms | {_f(e0['itl_ms']['mean'])} | {_f(g0['itl_ms']['mean'])} | "
-                   f"{_f(g0.get('graph_tpot_speedup_vs_eager'))}x faster |")
-    for k in ks:
-        e, g = get.get(("eager", k)), get.get(("graph", k))
-        if not (e and g and e0):
-            continue
-        accel_e = e0["tpot_ms"]["mean"] / e["tpot_ms"]["mean"]
-        out += [f"| MTP k={k} ITL ms | {_f(e['itl_ms']['mean'])} | {_f(g['itl_ms']['mean'])} | |",
-                f"| MTP k={k} TPOT ms | {_f(e['tpot_ms']['mean'])} | {_f(g['tpot_ms']['mean'])} | "
-                f"{_f(g.get('graph_tpot_speedup_vs_eager'))}x faster |",
-                f"| MTP k={k} acceleration | {accel_e:.2f}x | {_f(g.get('tpot_speedup_vs_eager_no_mtp'))}x | |"]
-    builds = [r.get("graph_build_seconds") for r in rows if r.get("mode") == "graph" and r["batch_size"] == bs]
-    if any(builds):
-        out.append(f"| start-up: compiling the graphs, s | 0 | {min(builds):.1f}-{max(builds):.1f} (per engine) | |")
-    return out + [""]
-
-
-def verdict(speedup: float) -> str:
-    """Within +-5% is this shared machine's run-to-run noise: call it break-even."""
-    return "pays" if speedup > 1.05 else "break-even (within noise)" if speedup >= 0.95 else "does not pay"
-
-
-def targets(recs: list[dict]) -> list[str]:
-    """The issue targets, checked against the measured numbers (real acceptance only)."""
-    out = ["| target | measured | met? |", "|---|---|---|"]
-    lat = [r for r in recs if r["benchmark"] == "latency" and r.get("measurement_mode", "real") == "real"]
-    for rec in lat:
-        rows = rec["results"]["configs"]
-        dtype = rec.get("args", {}).get("dtype", "auto")
-        drafter = next((r.get("method") or "mtp" for r in rows if r["k"]), "mtp")
-        for m, vocab in dict.fromkeys((r.get("mode"), r.get("draft_vocab_size")) for r in rows):
-            where = f"{m or _mode(rec)}, {dtype}" + (f", draft vocab {vocab}" if vocab else "") + (
-                f", {drafter} drafts" if drafter != "mtp" else "")
-            mrows = [r for r in rows if r.get("mode") == m and (r["k"] == 0 or r.get("draft_vocab_size") == vocab)]
-            b1 = [r for r in mrows if r["batch_size"] == 1 and r["k"] and r["scorer"] == "mqa"]
-            k1 = next((r for r in b1 if r["k"] == 1), None)
-            if k1:
-                out.append(f"| batch 1 ({where}): ITL(k=1) / ITL(no MTP) <= 1.25 | {k1['itl_ratio_vs_no_mtp']:.2f}x | "
-                           f"{'yes' if k1['itl_ratio_vs_no_mtp'] <= 1.25 else 'no'} |")
-                out.append(f"| batch 1 ({where}): TPOT speedup k=1 >= 1.3x | {k1['tpot_speedup']:.2f}x | "
-                           f"{'yes' if k1['tpot_speedup'] >= 1.3 else 'no'} |")
-            if b1:
-                best = max(b1, key=lambda r: r["tpot_speedup"])
-                out.append(f"| batch 1 ({where}): best k >= 1.5x | k={best['k']}: {best['tpot_speedup']:.2f}x | "
-                           f"{'yes' if best['tpot_speedup'] >= 1.5 else 'no'} |")
-            for bs in sorted({r["batch_size"] for r in mrows}):
-                cand = [r for r in mrows if r["batch_size"] == bs and r["k"]]
-                if cand and bs > 1:
-                    best = max(cand, key=lambda r: r["tpot_speedup"])
-                    out.append(f"| batch {bs} ({where}): does speculation pay? | best {best['name']}: "
-                               f"{best['tpot_speedup']:.2f}x TPOT | {verdict(best['tpot_speedup'])} |")
-            g0 = next((r for r in mrows if m == "graph" and not vocab and r["batch_size"] == 1 and r["k"] == 0), None)
-            if g0 and g0.get("graph_tpot_speedup_vs_eager"):
-                v = g0["graph_tpot_speedup_vs_eager"]
-                out.append(f"| batch 1 ({dtype}): graph-mode decode >= 1.3x eager | {v:.2f}x | "
-                           f"{'yes' if v >= 1.3 else 'no'} |")
-    for rec in recs:
-        if rec["benchmark"] == "peers":
-            r = rec["results"]
-            bs = r["batch_size"]
-            where = f"{r.get('dtype', 'float32')}{', graph mode' if _mode(rec) == 'graph' else ''}"
-            for name, want in ((f"ours_no_mtp_batch1_vs_hf_batch1", 3.0), (f"ours_no_mtp_batch{bs}_vs_hf_batch{bs}", 5.0)):
-                if name in r["ratios"]:
-                    v = r["ratios"][name]
-                    out.append(f"| {name} ({where}) >= {want:.0f}x | {v:.2f}x | {'yes' if v >= want else 'no'} |")
-            for name, v in r["ratios"].items():
-                if name.startswith("ours_mtp") and name.endswith("vs_hf_batch1"):
-                    out.append(f"| {name} ({where}) (>= 3x) | {v:.2f}x | {'yes' if v >= 3.0 else 'no'} |")
-    return out if len(out) > 2 else []
-
-
-def write_report(paths: list[str], out_path: str, plot_dir: str, intro: str | None = None) -> str:
-    recs = []
-    for p in paths:
+def write_report(paths: list[str], out_path: str, plot_dir: str) -> str:
+    recs, run = [], {}
+    for p in sorted(paths):
         with open(p) as f:
-            recs.append(json.load(f))
-    m = recs[0]["machine"]
-    v = recs[0]["versions"]
-    lines = ["# Benchmarks", "", "Generated by `mtpserve bench report` from the result JSON files "
-             f"({', '.join(os.path.basename(p) for p in paths)}). Machine: {m['cpu_count']} CPU cores "
-             f"({m['platform']}), no GPU, shared with other jobs; torch {v['torch']}, transformers "
-             f"{v['transformers']}. Runs are eager unless their section says graph mode (`--graph-mode`: compiled "
-             "fixed-shape decode steps). Ratios within one table come from one process run (configs interleaved).",
-             ""]
-    lines += [DEFINITIONS, "", "Regenerate this page: `mtpserve bench report --results "
-              + " ".join(paths) + f" --out {out_path} --plot-dir {plot_dir}`.", ""]
-    checked = targets(recs)
-    if checked:
-        lines += ["## Targets", ""] + checked + [""]
-    if intro:
-        lines += [intro, ""]
-    titles = dict(latency="Latency sweep (`bench latency`)", peers="Peers: transformers generate (`bench peers`)",
-                  throughput="Offline throughput (`bench throughput`)", serve="Serving (`bench serve`)",
-                  roofline="Roofline (`bench roofline`)", parallel="Parallel layouts: one process, TP, DP+EP (`bench parallel`)",
-                  handoff="Disaggregation: the first decode step after a hand-off (`bench handoff`)")
-    for rec in recs:
-        kind = rec["benchmark"]
-        mode = "" if rec.get("measurement_mode", "real") == "real" else " — SYNTHETIC ACCEPTANCE (measurement mode)"
-        lines += [f"## {titles.get(kind, kind)}{mode}", ""]
-        if kind == "latency":
-            lines += latency_tables(rec)
-            real = rec.get("measurement_mode", "real") == "real"
-            stem = os.path.splitext(os.path.basename(paths[recs.index(rec)]))[0]
-            names = plot_latency(rec, plot_dir, f"bench_{stem}_" if real else "bench_synthetic_")
-            rel = [os.path.relpath(p, os.path.dirname(os.path.abspath(out_path)) or ".") for p in names]
-            lines += [""] + [f"![{os.path.basename(p)}]({p})" for p in rel]
-        elif kind == "peers":
-            lines += peers_table(rec)
-        elif kind == "parallel":
-            from mtpserve.bench.report_parallel import parallel_table
-            lines += parallel_table(rec)
+            data = json.load(f)
+        if "benchmark" in data:
+            recs.append((os.path.splitext(os.path.basename(p))[0], data))
         else:
-            lines += other_table(rec)
-        lines.append("")
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+            run = data   # run.json: the sitting's wall time
+    page_dir = os.path.dirname(os.path.abspath(out_path))
+    lines = ["# Benchmarks", ""] + setup(recs, run, paths) + ["", DEFINITIONS, ""]
+    lines += ["Sections: " + ", ".join(f"[{title}](#{_anchor(title)})" for kind, title, _ in SECTIONS
+                                       if any(_kind(n, r) == kind for n, r in recs)), ""]
+    for kind, title, question in SECTIONS:
+        mine = [(n, r) for n, r in recs if _kind(n, r) == kind]
+        if not mine:
+            continue
+        lines += [f"## {title}", "", f"*{question}*", ""]
+        lines += globals()[f"_{kind}"](mine, plot_dir, page_dir)
+        lines += [""] + [f"Run: `{r['command']}` ({r['started']} to {r.get('finished', '?')}, commit "
+                         f"{r.get('commit') or '?'})." for _, r in mine] + [""]
+    os.makedirs(page_dir, exist_ok=True)
     with open(out_path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {out_path}")
     return out_path
+
+
+def setup(recs: list[tuple[str, dict]], run: dict, paths: list[str]) -> list[str]:
+    first = recs[0][1]
+    m, v = first["machine"], first["versions"]
+    commits = sorted({r.get("commit") or "?" for _, r in recs})
+    wall = f", {run['wall_seconds'] / 60:.0f} minutes in all" if run.get("wall_seconds") else ""
+    model = next((r["model"] for _, r in recs if r.get("model_kind") == "default"), {})
+    return [f"Every figure on this page comes from one run of `scripts/bench_all.sh` ({first['started']} to "
+            f"{max(r.get('finished', r['started']) for _, r in recs)}{wall}; commit {', '.join(commits)}), "
+            f"regenerated by `mtpserve bench report --results {os.path.dirname(paths[0]) or '.'}/*.json`. "
+            f"Machine: {m['cpu_count']} CPU cores ({m['processor'] or m['platform']}), no GPU, shared with other "
+            f"jobs, so absolute figures drift between runs; ratios within one table come from one process with its "
+            f"configurations interleaved. torch {v['torch']}, transformers {v['transformers']}. Model: the shipped "
+            f"default model ({model.get('num_params_in_checkpoint', 0) / 1e6:.1f}M parameters in the checkpoint, "
+            f"{model.get('num_hidden_layers')} layers, {model.get('n_routed_experts')} routed experts, "
+            f"{model.get('num_nextn_predict_layers')} MTP layers); prompts are held-out code it never trained on.",
+            "", "How these figures came to be (earlier runs, the A/B tests behind the code's choices): "
+            "[history.md](history.md)."]
+
+
+def _anchor(title: str) -> str:
+    return "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
+
+
+def _rel(path: str, page_dir: str) -> str:
+    return os.path.relpath(path, page_dir)
+
+
+def _latency(recs, plot_dir, page_dir) -> list[str]:
+    name, rec = recs[0]
+    rows = rec["results"]["configs"]
+    cols = sorted({(r.get("mode") or _mode(rec), r["batch_size"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    get = {(r.get("mode") or _mode(rec), r["batch_size"], r["k"]): r for r in rows if r["scorer"] in ("mqa", None)
+           or r["k"] == 0}
+    ks = sorted({r["k"] for r in rows})
+    out = ["TPOT in ms (speedup over no MTP at the same batch size and mode); acceptance length = tokens per "
+           "verify step.", "", "| config | " + " | ".join(f"{m} b{b}" for m, b in cols) + " | acceptance length |",
+           "|" + "---|" * (len(cols) + 2)]
+    for k in ks:
+        cells = [f"{_f(get[(m, b, k)]['tpot_ms']['mean'])} ({_f(get[(m, b, k)].get('tpot_speedup'))}x)"
+                 if (m, b, k) in get else "" for m, b in cols]
+        acc = get.get((cols[0][0], cols[0][1], k), {}).get("mean_acceptance_length")
+        out.append(f"| {'no MTP' if k == 0 else f'MTP k={k}'} | " + " | ".join(cells) + f" | {_f(acc)} |")
+    says = []
+    for m, b in cols:
+        best = max((get[(m, b, k)] for k in ks if k and (m, b, k) in get), key=lambda r: r["tpot_speedup"])
+        says.append(f"{m} batch {b}: best k = {best['k']}, {best['tpot_speedup']:.2f}x")
+    lossless = all(r.get("greedy_tokens_equal_no_mtp") is not False for r in rows)
+    out += ["", "What it says: " + "; ".join(says) + ". Greedy output identical to no MTP in every configuration: "
+            + ("**yes**" if lossless else "**NO**") + "."]
+    out += ["", "<details><summary>Full sweep (ITL, per-position acceptance, graph vs eager)</summary>", ""]
+    out += latency_tables(rec) + ["", "</details>", ""]
+    out += [f"![{os.path.basename(p)}]({_rel(p, page_dir)})" for p in plots.plot_latency(rec, plot_dir, "latency_")]
+    return out
+
+
+def _adaptive(recs, plot_dir, page_dir) -> list[str]:
+    from mtpserve.bench import adaptive
+    res = recs[0][1]["results"]
+    out = ["Output tokens/s per engine, the same prompts, interleaved.", ""] + adaptive.table(res)
+    vs_best = [r["adaptive_vs_best_fixed"] for r in res["rows"]]
+    vs_none = [r["adaptive_vs_no_mtp"] for r in res["rows"]]
+    return out + ["", f"What it says: adaptive k runs at {min(vs_best):.2f}-{max(vs_best):.2f}x the best fixed k "
+                      f"of each batch size and {min(vs_none):.2f}-{max(vs_none):.2f}x no speculation."]
+
+
+def _peers_llamacpp(recs, plot_dir, page_dir) -> list[str]:
+    from mtpserve.bench import llamacpp
+    out = []
+    for name, rec in recs:
+        res = rec["results"]["llamacpp"]
+        if "skipped" in res:
+            out += [f"Skipped: {res['skipped']}.", ""]
+            continue
+        mode = "eager" if rec["args"].get("enforce_eager") else "graph mode"
+        out += [f"**{res['threads']} thread{'s' if res['threads'] > 1 else ''}, mtpserve in {mode}** (ratios: ours / "
+                "llama.cpp; our 2,048-token prompts are "
+                f"{res['our_prompt_lens'][-1]} tokens, the most the model's positions hold with room to generate):",
+                ""] + llamacpp.table(res) + [""]
+        out += [f"![{name}]({_rel(plots.plot_peers(res, plot_dir, name), page_dir)})", ""]
+        out += ["What it says: " + llamacpp.summary(res), ""]
+    return out + ["llama.cpp: the version llama-cpp-python 0.3.36 vendors, built by scripts/build_llamacpp.sh for this "
+                  "CPU; the checkpoint converted by its own converter (bench/gguf_convert.py says what is mapped); "
+                  "`llama-bench` for prompts and batch-1 decode, `llama-batched-bench` for batched decode (one "
+                  "32-token prompt per sequence). Ours: decode tokens/s = batch / TPOT, prompt tokens/s from "
+                  "one-token requests; llama.cpp's figures are the mean of a run before and a run after ours."]
+
+
+def _peers_transformers(recs, plot_dir, page_dir) -> list[str]:
+    return peers_table(recs[0][1])
+
+
+def _quantization(recs, plot_dir, page_dir) -> list[str]:
+    from mtpserve.bench import quantization
+    res = recs[0][1]["results"]
+    ppl = res["perplexity"]
+    return quantization.table(res) + ["", f"What it says: int8 perplexity {ppl['int8'] / ppl['bf16']:.4f}x bf16's "
+                                          "on held-out code; MTP over int8 weights stays lossless with respect to "
+                                          "int8 (column 'MTP = no MTP')."]
+
+
+def _serve(recs, plot_dir, page_dir) -> list[str]:
+    by = {}
+    for name, rec in recs:
+        spec, conc = name.removeprefix("serve_").rsplit("_c", 1)
+        by.setdefault(int(conc), {})[spec] = rec["results"]
+    specs = sorted({s for v in by.values() for s in v})
+    out = ["Streaming clients against `mtpserve serve` (eager, one thread), medians in ms.", "",
+           "| concurrency | " + " | ".join(f"{s} tok/s | {s} TTFT | {s} TPOT" for s in specs) + " |",
+           "|" + "---|" * (1 + 3 * len(specs))]
+    for c in sorted(by):
+        cells = [f"{by[c][s]['output_token_throughput']:.1f} | {_f(by[c][s]['ttft_ms']['median'])} | "
+                 f"{_f(by[c][s]['tpot_ms']['median'])}" if s in by[c] else " | | " for s in specs]
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    if len(specs) == 2:
+        a, b = specs
+        ratios = [by[c][b]["output_token_throughput"] / by[c][a]["output_token_throughput"] for c in sorted(by)
+                  if a in by[c] and b in by[c]]
+        out += ["", f"What it says: {b} / {a} output tokens/s = " + ", ".join(f"{x:.2f}x" for x in ratios)
+                + f" at concurrency {', '.join(map(str, sorted(by)))}."]
+    out += ["", f"![serve]({_rel(plots.plot_serve(by, plot_dir), page_dir)})"]
+    return out
+
+
+def _sampling(recs, plot_dir, page_dir) -> list[str]:
+    from mtpserve.bench import sampling
+    rows = recs[0][1]["results"]["rows"]
+    same = all(r["same_tokens_as_no_mtp"] for r in rows)
+    return sampling.table(recs[0][1]["results"]) + ["", "What it says: MTP speedup per request feature "
+                                                    f"{min(r['mtp_speedup'] for r in rows):.2f}-"
+                                                    f"{max(r['mtp_speedup'] for r in rows):.2f}x; the same tokens "
+                                                    f"with and without MTP in every row: {'yes' if same else 'NO'}."]
+
+
+def _prefix(recs, plot_dir, page_dir) -> list[str]:
+    from mtpserve.bench import prefix
+    return prefix.table(recs[0][1]["results"])
+
+
+def _parallel(recs, plot_dir, page_dir) -> list[str]:
+    from mtpserve.bench.report_parallel import parallel_table
+    return [line for _, rec in recs for line in parallel_table(rec) + [""]]
+
+
+def _disagg(recs, plot_dir, page_dir) -> list[str]:
+    out = ["| setup | output tok/s | TTFT median ms | TPOT median ms | acceptance length |", "|---|---|---|---|---|"]
+    for name, rec in recs:
+        r = rec["results"]
+        if rec["benchmark"] == "serve":
+            acc = (r.get("spec_decode") or {}).get("mean_acceptance_length")
+            out.append(f"| {name.removeprefix('disagg_')} | {r['output_token_throughput']:.1f} | "
+                       f"{_f(r['ttft_ms']['median'])} | {_f(r['tpot_ms']['median'])} | {_f(acc)} |")
+    for name, rec in recs:
+        if rec["benchmark"] == "handoff":
+            out += ["", f"**{name}**:", ""] + other_table(rec)[2:]
+    return out

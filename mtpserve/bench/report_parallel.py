@@ -1,6 +1,6 @@
 """The parallel-layouts section of docs/BENCHMARKS.md (`bench parallel` records): memory and start-up per
 rank, TPOT and tokens/s per layout, and what the collectives cost."""
-from mtpserve.bench.report import _f, _yes_no
+from mtpserve.bench.report_tables import _f, _yes_no
 
 
 def _layout_name(c: dict) -> str:

@@ -42,7 +42,7 @@ class AttentionMetadata:
     keys_buffer: torch.Tensor | None = None  # eager only: gathered cache blocks, reused layer after layer
     # A batch mixing decode rows (a few query tokens) with prompt chunks: (flat token indices, metadata) of each
     # kind, attending apart. Together every row would be padded to the longest chunk and take the expanded
-    # form: rows [t5 d6] and [p0 .. p31] would both run 32 query positions (docs/BENCHMARKS.md has the A/B).
+    # form: rows [t5 d6] and [p0 .. p31] would both run 32 query positions (docs/history.md has the A/B).
     parts: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None
 
     def select(self, index: torch.Tensor) -> "AttentionMetadata":
@@ -113,7 +113,7 @@ SMALL_BMM_ROWS = 64   # up to this many rows in all (batch x rows), a CPU graph'
 def small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm, except for a small product in a CPU graph (a verify step's attention at small batch): a
     broadcast product summed over the shared dimension, which inductor fuses with its neighbours into one
-    kernel (the A/B is in docs/BENCHMARKS.md)."""
+    kernel (the A/B is in docs/history.md)."""
     if torch.compiler.is_compiling() and a.device.type == "cpu" and a.shape[0] * a.shape[1] <= SMALL_BMM_ROWS:
         return (a.unsqueeze(-1) * b.unsqueeze(1)).sum(2)
     return torch.bmm(a, b)

@@ -230,7 +230,7 @@ def _chosen_pairs(x, weights, ids, w13, w2) -> torch.Tensor:
 def _grouped_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     """Every (token, expert) choice as a row of one grouped GEMM pair (torch._grouped_mm), the rows sorted by
     expert: no host loop, no host sync. Used in bf16 CPU graphs only (eagerly the loop is as fast; A/B in
-    docs/BENCHMARKS.md)."""
+    docs/history.md)."""
     flat = ids.flatten()
     order = flat.argsort(stable=True)
     token_of = order // ids.shape[1]

@@ -125,7 +125,7 @@ def serving_cpu_threads(args) -> int:
     """The model's threads per rank on the CPU when serving: the node's cores but one, divided among its ranks.
     The HTTP server's event loop (parsing, streaming every step's tokens) needs a core of its own: beside a
     model that used every core, it preempted one of the model's threads each step, and the others spun waiting
-    for it (figures in docs/BENCHMARKS.md, "Serving: a core for the HTTP server")."""
+    for it (figures in docs/history.md)."""
     ranks_per_node = max(1, args.tensor_parallel_size * args.data_parallel_size // max(1, args.nnodes))
     return max(1, ((os.cpu_count() or 1) - 1) // ranks_per_node)
 
