@@ -668,8 +668,9 @@ def test_tool_calls_named_and_required(client):
     stream = list(client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=60,
                                                  temperature=0, stream=True, tool_choice={
                                                      "type": "function", "function": {"name": "get_weather"}}))
-    deltas = [c.choices[0].delta.tool_calls for c in stream if c.choices and c.choices[0].delta.tool_calls]
-    assert deltas[-1][0].function.arguments == call.function.arguments
+    deltas = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and len(deltas) > 2   # (the arguments in pieces)
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
     auto = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=8,
                                           temperature=0)   # ("auto": this model writes no DeepSeek call tokens)
@@ -686,15 +687,18 @@ def test_tool_calls_named_and_required(client):
 
 
 def test_deepseek_v3_tool_call_parser():
-    from mtpserve.serve.tools import parse_deepseek_v3
+    from mtpserve.serve.tools import ToolRequest, tool_calls
     text = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
             '{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
             '```json\n{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
-    content, calls = parse_deepseek_v3(text)
+    auto = ToolRequest([], "auto", parser="deepseek_v3")
+    content, calls = tool_calls(auto, text)
     assert content == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]
-    assert parse_deepseek_v3("no calls here") == ("no calls here", [])
+    assert tool_calls(auto, "no calls here") == ("no calls here", [])
+    with pytest.raises(ValueError):   # (cut mid-call by max_tokens: the caller keeps the text as content)
+        tool_calls(auto, text[:60])
 
 
 def test_langchain_structured_output_and_tools(server):

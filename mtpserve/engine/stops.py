@@ -28,8 +28,9 @@ def detokenize_until_stop_string(tokenizer, req: Request, num_new: int) -> int |
     if tokenizer is None:
         return None
     total = len(req.output_token_ids)
-    stopped_by_id = req.finish_reason == "stop"   # (at its last token)
-    for end in range(total - num_new + 1, total + 1):
+    stopped_by_id = req.finish_reason == "stop"   # (at its last token: EOS or a stop id, kept out of the text
+    shown = total - (stopped_by_id and not req.params.include_stop_str_in_output)   # unless asked, as vLLM)
+    for end in range(total - num_new + 1, shown + 1):
         new_text = detokenize_incrementally(tokenizer, req, end)
         if (new_text and req.params.stop and not (end == total and stopped_by_id)
                 and _cut_at_stop_string(req, len(new_text))):

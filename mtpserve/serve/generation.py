@@ -226,22 +226,22 @@ class _ChoiceState:
         self.holdback = max((len(s) for s in req.sampling.get("stop") or []), default=1) - 1
         self.sent_chars, self.sent_ids, self.sent_tokens, self.done = {}, {}, {}, set()
         self.sent_offset = {}   # completions logprobs: the text_offset of the next token sent
+        self.calls = {}         # chat with tools: what each choice has streamed of its calls
 
     def chunks(self, idx: int, out, c, usage: dict | None = None) -> list[str]:
         """The chunk this output adds to choice idx (none, or one); usage: the usage so far, to carry."""
         if idx in self.done:
             return []
         finished = c.finish_reason is not None
-        if self.view.holds_text and not finished:
-            return []
+        text = _sendable(self.view.text(out, c), finished, self.holdback)
         calls, finish = [], c.finish_reason
-        if self.view.holds_text:   # (the end: the content and the calls at once)
-            text, calls, finish = self.view.message(out, c)
-            text = text or ""
+        if self.view.holds_text:   # the content and the calls as they grow (tools.CallStream)
+            stream = self.calls.setdefault(idx, tools.CallStream(self.req.tools))
+            delta, calls = stream.update(text, finished)
+            finish = "tool_calls" if stream.ids and finish == "stop" else finish
         else:
-            text = _sendable(self.view.text(out, c), finished, self.holdback)
-        delta = text[self.sent_chars.get(idx, 0):]
-        self.sent_chars[idx] = max(self.sent_chars.get(idx, 0), len(text))
+            delta = text[self.sent_chars.get(idx, 0):]
+            self.sent_chars[idx] = max(self.sent_chars.get(idx, 0), len(text))
         ids = None
         if self.req.return_token_ids:
             ids = c.token_ids[self.sent_ids.get(idx, 0):]
@@ -255,7 +255,7 @@ class _ChoiceState:
                 self.sent_offset[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         if finished:
             self.done.add(idx)
-        if not (delta or finished or ids or logprobs):
+        if not (delta or finished or ids or logprobs or calls):
             return []
         chunk = responses.stream_chunk(self.request_id, self.model, self.created, self.chat, idx, delta,
                                        finish if finished else None, token_ids=ids, logprobs=logprobs,

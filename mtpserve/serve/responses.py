@@ -77,8 +77,8 @@ def stream_chunk(rid: str, model: str, created: int, chat: bool, index: int, tex
                  finish_reason=None, role: bool = False, token_ids=None, logprobs=None, tool_calls=None) -> dict:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        if tool_calls:   # (whole calls, in the last chunk: OpenAI's delta format, each with its index)
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+        if tool_calls:   # (tools.CallStream's deltas, each with its call's index)
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -114,7 +114,7 @@ class ChoiceView:
 
     @property
     def holds_text(self) -> bool:
-        """Tool calls may be in the text: nothing is streamed before the end (then the content and the calls)."""
+        """Tool calls may be in the text: it is read for them (tools.py)."""
         return self.req.tools is not None and self.req.tools.choice != "none"
 
     def message(self, out, c) -> tuple[str | None, list, str | None]:

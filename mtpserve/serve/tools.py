@@ -10,12 +10,11 @@
   format by --tool-call-parser (needs --enable-auto-tool-choice, as vLLM). deepseek_v3's format:
       <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>...
 """
-import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
 from mtpserve.serve.protocol import APIError
+from mtpserve.serve.tool_text import read_calls
 
 PARSERS = ("deepseek_v3",)
 
@@ -85,32 +84,37 @@ def constraint(req: ToolRequest) -> dict | None:
 
 
 def tool_calls(req: ToolRequest, text: str) -> tuple[str | None, list[dict]]:
-    """(the message's content, its tool calls) from the generated text."""
-    if req.choice == "named":
-        return None, [_call(req.name, text)]
-    if req.choice == "required":
-        return None, [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-    if req.choice == "auto":
-        return parse_deepseek_v3(text)
-    return text, []
+    """(the message's content, its tool calls) from the whole generated text; ValueError: a call is cut short
+    (max_tokens), and the caller keeps the text as content."""
+    read = read_calls(req.choice, req.name, text, finished=True)
+    if not read.complete:
+        raise ValueError("a tool call is not closed")
+    return read.content or None, [new_call(name, args) for name, args in read.calls]
 
 
-_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?:function)?<｜tool▁sep｜>(?P<name>[^\n]*)\n```(?:json)?\n"
-                      r"(?P<args>.*?)\n```<｜tool▁call▁end｜>", re.S)
-_DS_BEGIN = "<｜tool▁calls▁begin｜>"
+class CallStream:
+    """What one streamed choice has sent: `update(text)` -> (the content delta, the tool_calls deltas): a call's
+    first delta names it (with its id), the next ones carry its arguments as they grow."""
+
+    def __init__(self, req: ToolRequest):
+        self.req, self.sent_content, self.sent_args, self.ids = req, 0, [], []
+
+    def update(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        read = read_calls(self.req.choice, self.req.name, text, finished)
+        content, self.sent_content = read.content[self.sent_content:], max(self.sent_content, len(read.content))
+        deltas = []
+        for j, (name, args) in enumerate(read.calls):
+            if j == len(self.ids):
+                self.ids.append(new_call(name, "")["id"])
+                self.sent_args.append(0)
+                deltas.append({"index": j, "id": self.ids[j], "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            if len(args) > self.sent_args[j]:
+                deltas.append({"index": j, "function": {"arguments": args[self.sent_args[j]:]}})
+                self.sent_args[j] = len(args)
+        return content, deltas
 
 
-def parse_deepseek_v3(text: str) -> tuple[str | None, list[dict]]:
-    """DeepSeek-V3's tool-call format: the text before the calls is the content."""
-    start = text.find(_DS_BEGIN)
-    if start < 0:
-        return text, []
-    calls = [_call(m["name"].strip(), m["args"]) for m in _DS_CALL.finditer(text, start)]
-    if not calls:   # (a malformed block: left as text)
-        return text, []
-    return text[:start] or None, calls
-
-
-def _call(name: str, arguments: str) -> dict:
+def new_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
