@@ -242,7 +242,20 @@ def test_active_weights_per_token_match_the_checkpoint_tensors(tmp_path, overrid
                 continue
         layers += t.numel()
     got = roofline.active_weights_per_token(cfg)
-    assert got == {"layers": layers, "head": tensors["lm_head.weight"].numel()}
+    assert (got["layers"], got["head"]) == (layers, tensors["lm_head.weight"].numel())
+    # a k = 1 verify step: two tokens' experts (at most 2 x top_k) in every MoE layer, the MTP layer over the same
+    # two positions (its input projection, attention, two tokens' experts), the head twice (target and draft)
+    two = 2 * cfg.num_experts_per_tok
+    step = 2 * tensors["lm_head.weight"].numel()
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"] or t.dim() != 2 or parts[3] in ("embed_tokens", "shared_head"):
+            continue
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            if int(parts[parts.index("experts") + 1]) >= two:
+                continue
+        step += t.numel()
+    assert roofline.step_weight_params(cfg, 1) == step
 
 
 def test_compute_floor_counts_every_fed_token():
@@ -267,3 +280,13 @@ def test_bench_quantization(ckpt, tmp_path):
                                                                 for s in ("no_mtp", "mtp_k2")}
     assert all(r["lossless"] for r in res["rows"] if r["weights"] == "fp32")
     assert set(res["perplexity"]) == {"fp32", "bf16", "int8"} and all(p > 1 for p in res["perplexity"].values())
+
+
+def test_bench_roofline(ckpt, tmp_path):
+    rec = run_cli(["bench", "roofline", "--model", ckpt, "--ks", "0,1", "--input-len", "4", "--output-len", "6",
+                   "--num-iters", "1"], tmp_path / "roof.json")
+    rows = rec["results"]["rows"]
+    assert [r["k"] for r in rows] == [0, 1] and rows[1]["tokens_per_step"] >= 1
+    assert rows[1]["bytes_per_step"]["weight_bytes"] > rows[0]["bytes_per_step"]["weight_bytes"] > 0
+    for r in rows:   # (a floor is a floor: no step reads its bytes faster than the bandwidth allows)
+        assert 0 < r["fraction_of_roofline"] < 1.5

@@ -99,8 +99,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--adaptive", action="store_true", help="llamacpp: also adaptive k up to the largest --ks")
     pe.add_argument("--batch-sizes", default="1,8,32", help="llamacpp: decode batch sizes")
     pe.add_argument("--prompt-lens", default="512,2048", help="llamacpp: prompt-processing lengths")
-    rf = sub.add_parser("roofline", help="bandwidth floor of a decode step vs the measured step (random ~300M model)")
-    _common(rf, 32, 16)
+    rf = sub.add_parser("roofline", help="bandwidth floor of a batch-1 step vs the measured step, plain and with k drafts")
+    _common(rf, 32, 64)
+    rf.add_argument("--ks", default="0,1", help="comma list of num_speculative_tokens, 0 = no MTP")
+    rf.add_argument("--random-dense", action="store_true", help="a random ~300M dense model instead of --model")
+    add_quantization_arg(rf)
     pa = sub.add_parser("parallel", help="parallel layouts side by side (same cores), and what their collectives cost")
     _common(pa, 32, 64)
     pa.add_argument("--layouts", default="tp1,tp2", help="comma list: tpN (tensor parallel), dpNep (data-parallel "
@@ -148,8 +151,8 @@ def run_bench(args) -> dict | None:
     if args.bench_command == "serve":
         record["results"] = _serve(args, record)
     else:
-        path, kind = common.resolve_model(args.model, args.scratch_dir) if args.bench_command != "roofline" \
-            else (args.model, "random dense (roofline)" if args.model is None else "given")
+        path, kind = common.resolve_model(args.model, args.scratch_dir) if not getattr(args, "random_dense", False) \
+            else (None, "random dense (roofline)")
         record["model_kind"] = kind
         if path is not None:
             record["model"] = common.model_info(path)
@@ -257,7 +260,11 @@ def _handoff(args, path: str) -> dict:
 
 def _roofline(args, path: str | None) -> dict:
     from mtpserve.bench import roofline
-    return roofline.run_roofline(path, args.input_len, args.output_len, args.num_iters, args.scratch_dir)
+    res = roofline.run_roofline(path, args.input_len, args.output_len, args.num_iters, args.scratch_dir,
+                                args.enforce_eager, "float32" if args.dtype == "auto" else args.dtype,
+                                args.quantization, common.parse_list(args.ks))
+    print("\n".join(roofline.table(res)))
+    return res
 
 
 def _serve(args, record: dict) -> dict:

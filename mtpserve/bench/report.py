@@ -22,6 +22,8 @@ SECTIONS = [   # (kind, title, the question it answers)
     ("latency", "MTP speedup by k and batch size, eager and graph mode",
      "How much faster does a request decode with MTP, for each number of drafts k?"),
     ("adaptive", "Adaptive k against fixed k", "Does choosing k per step match the best fixed k?"),
+    ("roofline", "Batch-1 decode against the memory-bandwidth floor",
+     "How close does a step come to the time it takes to read its bytes?"),
     ("peers_llamacpp", "Against llama.cpp on the same checkpoint",
      "How does mtpserve compare with llama.cpp at the same threads and weight type?"),
     ("peers_transformers", "Against transformers on the same checkpoint",
@@ -127,6 +129,16 @@ def _adaptive(recs, plot_dir, page_dir) -> list[str]:
     vs_none = [r["adaptive_vs_no_mtp"] for r in res["rows"]]
     return out + ["", f"What it says: adaptive k runs at {min(vs_best):.2f}-{max(vs_best):.2f}x the best fixed k "
                       f"of each batch size and {min(vs_none):.2f}-{max(vs_none):.2f}x no speculation."]
+
+
+def _roofline(recs, plot_dir, page_dir) -> list[str]:
+    from mtpserve.bench import roofline
+    out = []
+    for _, rec in recs:
+        out += roofline.table(rec["results"]) + [""]
+    return out + ["Bytes: the weights a step multiplies (bench/roofline.py, step_weight_params: a MoE layer's routed "
+                  "experts for the step's tokens counted at most, the MTP passes with the head each) and the KV it "
+                  "reads; the floor is those bytes at the measured read bandwidth."]
 
 
 def _peers_llamacpp(recs, plot_dir, page_dir) -> list[str]:

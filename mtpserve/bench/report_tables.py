@@ -1,5 +1,5 @@
 """Tables of docs/BENCHMARKS.md drawn from one record each (latency sweeps, transformers peers, throughput, serving,
-hand-offs, roofline); bench/report.py puts them in their sections."""
+hand-offs); bench/report.py puts them in their sections."""
 
 
 DEFINITIONS = """Definitions. **ITL**: time between consecutive engine steps that give a request tokens (one verify
@@ -138,15 +138,6 @@ def other_table(rec: dict) -> list[str]:
                 "| first step | median ms | p99 ms | graph calls |", "|---|---|---|---|"]
         for name, s in r["steps"].items():
             out.append(f"| {name} | {_f(s['ms']['median'])} | {_f(s['ms']['p99'])} | {s['graph_calls']} |")
-    elif rec["benchmark"] == "roofline":
-        b = r["bytes_per_step"]
-        out.append(f"{r['main_model_params'] / 1e6:.0f}M-parameter dense random model, fp32. Memory bandwidth "
-                   f"(best of 5): read {r['bandwidth']['read_gb_per_s']:.1f} GB/s, copy "
-                   f"{r['bandwidth']['copy_gb_per_s']:.1f} GB/s. Bytes per batch-1 decode step: weights "
-                   f"{b['weight_bytes'] / 1e6:.0f} MB + KV {b['kv_bytes'] / 1e6:.2f} MB. Bandwidth floor "
-                   f"**{r['bandwidth_floor_step_ms']:.1f} ms/step** vs measured **{r['measured_step_ms_median']:.1f} "
-                   f"ms/step** (median; min {r['measured_step_ms_min']:.1f}) = {100 * r['fraction_of_roofline']:.0f}% "
-                   f"of the roofline. {' '.join(r['notes'])}")
     return out
 
 

@@ -1,5 +1,5 @@
 """`mtpserve bench roofline`: the memory-bandwidth floor of a batch-1 decode step (bytes of weights + KV read
-per step / measured memory bandwidth) against the measured step time, on a random dense checkpoint."""
+per step / measured memory bandwidth) against the measured step time, plain and verifying k drafts."""
 import os
 import time
 
@@ -30,21 +30,36 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:
     return dict(bytes=num_bytes, read_gb_per_s=num_bytes / best_sum / 1e9, copy_gb_per_s=2 * num_bytes / best_copy / 1e9)
 
 
-def bytes_per_decode_step(model, context_len: float, dtype_bytes: int) -> dict:
-    """Weights a batch-1 decode step of the main model reads (the embedding table contributes one row; the
-    MTP layers are not run without speculation) plus the KV cache read by attention."""
-    cfg = model.config
-    weights = 0
-    for name, p in model.named_parameters():
-        if name.startswith("mtp_layers."):
-            continue
-        weights += cfg.hidden_size * p.element_size() if name.endswith("embed_tokens.weight") else p.numel() * p.element_size()
-    kv = cfg.num_hidden_layers * cfg.kv_cache_dim * dtype_bytes * context_len
+def step_weight_params(cfg, k: int) -> int:
+    """Weights a batch-1 decode step reads: the main model over 1+k tokens (a MoE layer's routed experts for
+    1+k tokens counted as min(n_routed, (1+k) * top_k), an upper bound), the head once, and with k drafts the
+    MTP passes that draft them: the first over the 1+k positions, k-1 more over one token each, each pass one
+    MTP layer (its input projection and decoder layer) and the head again. Embedding rows are left out.
+        k = 1, top-2 of 8 experts: main 12 layers with <= 4 experts each + head; MTP layer with <= 4 + head"""
+    w = active_weights_per_token(cfg)
+    expert = 3 * cfg.hidden_size * (cfg.moe_intermediate_size or 0)
+    extra = lambda tokens: 0 if not cfg.n_routed_experts else expert * (   # noqa: E731 (routed experts beyond one token's)
+        min(cfg.n_routed_experts, tokens * cfg.num_experts_per_tok) - cfg.num_experts_per_tok)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    total = w["layers"] + moe_layers * extra(1 + k) + w["head"]
+    if k:
+        mtp_layer = w["layers"] // cfg.num_hidden_layers if not cfg.n_routed_experts else \
+            w["moe_layer"] + 2 * cfg.hidden_size * cfg.hidden_size
+        total += k * (mtp_layer + w["head"]) + extra(1 + k)
+    return total
+
+
+def step_bytes(cfg, k: int, weight_bytes: float, kv_bytes: int, context_len: float) -> dict:
+    weights = step_weight_params(cfg, k) * weight_bytes
+    kv = (cfg.num_hidden_layers + (1 if k else 0)) * cfg.kv_cache_dim * kv_bytes * context_len
     return dict(weight_bytes=weights, kv_bytes=kv, total_bytes=weights + kv)
 
 
 def run_roofline(model_path: str | None, input_len: int, output_len: int, num_iters: int, scratch: str,
-                 max_create_s: float = 60.0, log=print) -> dict:
+                 enforce_eager: bool = True, dtype: str = "float32", quantization: str | None = None,
+                 ks: tuple = (0, 1), max_create_s: float = 60.0, log=print) -> dict:
+    """Per k: the bytes a batch-1 step reads over the measured read bandwidth (the floor) against the measured
+    step (the median gap between steps), engines side by side. model_path None: a random ~300M dense model."""
     notes = []
     if model_path is None:
         model_path = os.path.join(scratch, "roofline_model")
@@ -58,21 +73,40 @@ def run_roofline(model_path: str | None, input_len: int, output_len: int, num_it
                 notes.append(f"creation took over {max_create_s:.0f}s")
     bw = measure_bandwidth()
     log(f"  memory bandwidth: read {bw['read_gb_per_s']:.1f} GB/s, copy {bw['copy_gb_per_s']:.1f} GB/s")
-    eng = latency.build_engine(model_path, None, 1, input_len + output_len, True, "float32")
-    prompts = common.make_prompts(1, input_len, eng.model_config.vocab_size, None)
-    latency.run_batch(eng, prompts, 4, tag="w")
-    runs = [latency.run_batch(eng, prompts, output_len, tag=f"r{i}") for i in range(num_iters)]
-    itls = sorted(x for r in runs for x in r["per_request"][0]["itls"])
-    step_s = itls[len(itls) // 2]
-    nbytes = bytes_per_decode_step(eng.model, input_len + output_len / 2, eng.dtype.itemsize)
-    floor_s = nbytes["total_bytes"] / (bw["read_gb_per_s"] * 1e9)
-    params = sum(p.numel() for n, p in eng.model.named_parameters() if not n.startswith("mtp_layers."))
-    res = dict(model=common.model_info(model_path), main_model_params=params, dtype="float32", bandwidth=bw,
-               bytes_per_step=nbytes, bandwidth_floor_step_ms=floor_s * 1e3, measured_step_ms_median=step_s * 1e3,
-               measured_step_ms_min=itls[0] * 1e3, fraction_of_roofline=floor_s / step_s, notes=notes)
-    log(f"  {params / 1e6:.0f}M params: floor {floor_s * 1e3:.1f} ms/step, measured {step_s * 1e3:.1f} ms/step "
-        f"({100 * floor_s / step_s:.0f}% of the bandwidth roofline)")
-    return res
+    extra = {"quantization": quantization} if quantization else {}
+    engines = {f"k={k}": latency.build_engine(model_path, latency.spec_dict(k, "mqa", None, None), 1, input_len + output_len,
+                                       enforce_eager, dtype, **extra) for k in ks}
+    runs = latency.run_interleaved(engines, [1], input_len, output_len, num_iters, log=log)
+    first = next(iter(engines.values()))
+    weight_bytes = 1 if quantization == "int8" else first.dtype.itemsize
+    rows = []
+    for k, (name, eng) in zip(ks, engines.items()):
+        agg = latency.aggregate(runs[(1, name)])
+        step_s = agg["itl_ms"]["median"] / 1e3
+        nbytes = step_bytes(eng.model.config, k, weight_bytes, eng.dtype.itemsize, input_len + output_len / 2)
+        floor_s = nbytes["total_bytes"] / (bw["read_gb_per_s"] * 1e9)
+        rows.append(dict(k=k, bytes_per_step=nbytes, bandwidth_floor_step_ms=floor_s * 1e3,
+                         measured_step_ms_median=step_s * 1e3, fraction_of_roofline=floor_s / step_s,
+                         tokens_per_step=agg["mean_acceptance_length"]))
+        log(f"  k={k}: floor {floor_s * 1e3:.2f} ms/step, measured {step_s * 1e3:.2f} ms/step "
+            f"({100 * floor_s / step_s:.0f}% of the bandwidth roofline)")
+        eng.shutdown()
+    return dict(model=common.model_info(model_path), dtype=str(first.dtype).removeprefix("torch."),
+                quantization=quantization, mode="eager" if enforce_eager else "graph", bandwidth=bw, rows=rows,
+                notes=notes)
+
+
+def table(res: dict) -> list[str]:
+    lines = [f"Batch 1, {res['mode']}, {res['quantization'] or res['dtype']} weights; read bandwidth (best of 5 sums "
+             f"over 1 GiB) {res['bandwidth']['read_gb_per_s']:.1f} GB/s.", "",
+             "| k | MB read per step (weights + KV) | floor ms | measured ms (median step) | share of the floor reached "
+             "| tokens per step |", "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        b = r["bytes_per_step"]
+        lines.append(f"| {r['k']} | {b['weight_bytes'] / 1e6:.1f} + {b['kv_bytes'] / 1e6:.2f} | "
+                     f"{r['bandwidth_floor_step_ms']:.2f} | {r['measured_step_ms_median']:.2f} | "
+                     f"{100 * r['fraction_of_roofline']:.0f}% | {r['tokens_per_step']:.2f} |")
+    return lines
 
 
 def measure_gemm_flops(repeats: int = 5) -> dict:
@@ -100,14 +134,13 @@ def active_weights_per_token(cfg) -> dict:
     attention = (q + cfg.hidden_size * cfg.kv_cache_dim
                  + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
                  + heads * cfg.v_head_dim * cfg.hidden_size)
-    layers = 0
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_moe_layer(i):
-            experts = (cfg.n_shared_experts or 0) + cfg.num_experts_per_tok
-            layers += attention + cfg.n_routed_experts * cfg.hidden_size + 3 * cfg.hidden_size * cfg.moe_intermediate_size * experts
-        else:
-            layers += attention + 3 * cfg.hidden_size * cfg.intermediate_size
-    return dict(layers=layers, head=cfg.vocab_size * cfg.hidden_size)
+    moe_layer = attention
+    if cfg.n_routed_experts:
+        experts = (cfg.n_shared_experts or 0) + cfg.num_experts_per_tok
+        moe_layer += cfg.n_routed_experts * cfg.hidden_size + 3 * cfg.hidden_size * cfg.moe_intermediate_size * experts
+    layers = sum(moe_layer if cfg.is_moe_layer(i) else attention + 3 * cfg.hidden_size * cfg.intermediate_size
+                 for i in range(cfg.num_hidden_layers))
+    return dict(layers=layers, head=cfg.vocab_size * cfg.hidden_size, moe_layer=moe_layer)
 
 
 def compute_floor(cfg, batch: int, input_len: int, output_len: int, gemm_gflops: float) -> dict:
