@@ -7,7 +7,7 @@ set -euxo pipefail
 cd "$(dirname "$0")/.."
 export R=docs/bench_results/report
 rm -rf $R && mkdir -p $R
-start=$(date +%s)
+start=$(date +%s); started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 B="mtpserve bench"
 # MTP speedup by k and batch size, eager and graph mode side by side; adaptive k against fixed k
 $B latency --modes eager,graph --batch-sizes 1,8 --ks 0,1,2,3 --input-len 32 --output-len 64 --num-iters 3 \
@@ -47,5 +47,6 @@ done
 # Scaling layouts and disaggregation (2 processes on the 2 cores)
 scripts/bench_parallel.sh --default-model-only
 scripts/bench_disagg.sh
-echo "{\"wall_seconds\": $(( $(date +%s) - start ))}" > $R/run.json
+echo "{\"started\": \"$started\", \"finished\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"wall_seconds\": $(( $(date +%s) - start ))}" \
+  > $R/run.json
 $B report --results $R/*.json --out docs/BENCHMARKS.md --plot-dir docs/plots

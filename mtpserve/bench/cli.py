@@ -99,7 +99,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--adaptive", action="store_true", help="llamacpp: also adaptive k up to the largest --ks")
     pe.add_argument("--batch-sizes", default="1,8,32", help="llamacpp: decode batch sizes")
     pe.add_argument("--prompt-lens", default="512,2048", help="llamacpp: prompt-processing lengths")
-    rf = sub.add_parser("roofline", help="bandwidth floor of a batch-1 step vs the measured step, plain and with k drafts")
+    rf = sub.add_parser("roofline", help="bandwidth floor of a batch-1 step vs the measured step, plain and with "
+                                         "k drafts")
     _common(rf, 32, 64)
     rf.add_argument("--ks", default="0,1", help="comma list of num_speculative_tokens, 0 = no MTP")
     rf.add_argument("--random-dense", action="store_true", help="a random ~300M dense model instead of --model")

@@ -52,7 +52,8 @@ def gguf_file(checkpoint: str, outtype: str) -> str:
 def llama_bench(gguf: str, threads: int, prompt_lens: list[int], gen_len: int, reps: int) -> dict:
     """-> {"pp512": tok/s, "pp2048": tok/s, "tg128": tok/s}: llama-bench's mean over `reps` repetitions."""
     out = subprocess.run([tool("llama-bench"), "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, prompt_lens)),
-                          "-n", str(gen_len), "-r", str(reps), "-o", "json"], check=True, capture_output=True, text=True)
+                          "-n", str(gen_len), "-r", str(reps), "-o", "json"],
+                         check=True, capture_output=True, text=True)
     return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): r["avg_ts"] for r in json.loads(out.stdout)}
 
 
@@ -80,7 +81,8 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
     """Per dtype: llama.cpp, then ours, then llama.cpp again (their figures: the mean of the two runs)."""
     from mtpserve.config import ModelConfig
     positions = ModelConfig.from_pretrained(model).max_position_embeddings
-    max_len = min(max(prompt_lens + [input_len + output_len]), positions - max(ks) - 8)   # (build_engine's headroom)
+    longest = max([n + 1 for n in prompt_lens] + [input_len + output_len])
+    max_len = min(longest, positions - max(ks) - 8)   # (build_engine's headroom)
     specs = {("no_mtp" if k == 0 else f"mtp_k{k}"): spec_dict(k, "mqa", None, None) for k in ks}
     if adaptive:
         specs[f"adaptive_k{max(ks)}"] = dict(method="mtp", num_speculative_tokens=max(ks), adaptive=True)
@@ -93,7 +95,8 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
                                       graph_batch_sizes=batch_sizes, **weights) for name, spec in specs.items()}
         start = time.perf_counter()
         runs = run_interleaved(engines, batch_sizes, input_len, output_len, num_iters, log=log)
-        ours = {name: {str(bs): _decode_speed(aggregate(runs[(bs, name)]), bs) for bs in batch_sizes} for name in engines}
+        ours = {name: {str(bs): _decode_speed(aggregate(runs[(bs, name)]), bs) for bs in batch_sizes}
+                for name in engines}
         # a 2,048-token prompt in a model of 2,048 positions: ours gets the longest that leaves room to generate
         pp = {f"pp{n}": our_prompt_speed(engines["no_mtp"], min(n, max_len - 1), num_iters) for n in prompt_lens}
         log(f"  ours {dtype}: {time.perf_counter() - start:.0f} s")
@@ -102,13 +105,15 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
         theirs.append(_theirs(gguf, threads, prompt_lens, output_len, batch_sizes, num_iters, log))
         rows.append(dict(dtype=dtype, gguf_type=outtype, ours=ours, ours_prompt=pp, llamacpp=_mean(theirs)))
     return dict(threads=threads, input_len=input_len, output_len=output_len, batch_sizes=batch_sizes,
-                prompt_lens=prompt_lens, our_prompt_lens=[min(n, max_len - 1) for n in prompt_lens], num_iters=num_iters, rows=rows)
+                prompt_lens=prompt_lens, our_prompt_lens=[min(n, max_len - 1) for n in prompt_lens],
+                num_iters=num_iters, rows=rows)
 
 
 def _theirs(gguf: str, threads: int, prompt_lens: list[int], gen_len: int, batch_sizes: list[int], reps: int,
             log) -> dict:
     one = llama_bench(gguf, threads, prompt_lens, gen_len, reps)
-    batched = batched_bench(gguf, threads, [b for b in batch_sizes if b > 1], 32, gen_len) if max(batch_sizes) > 1 else {}
+    many = [b for b in batch_sizes if b > 1]
+    batched = batched_bench(gguf, threads, many, 32, gen_len) if many else {}
     log(f"  llama.cpp {os.path.basename(gguf)}: {one} batched {batched}")
     return dict(one, **{f"batch{b}": v for b, v in batched.items()})
 
@@ -138,7 +143,8 @@ def table(res: dict) -> list[str]:
             o = r["ours"][name]
             pp = [f"{r['ours_prompt'][f'pp{n}']:.0f} ({r['ours_prompt'][f'pp{n}'] / t[f'pp{n}']:.2f}x)"
                   if name == "no_mtp" else "" for n in res["prompt_lens"]]
-            dec = [f"{o[str(b)]['tokens_per_s']:.1f} ({o[str(b)]['tokens_per_s'] / _their_decode(t, b, res):.2f}x)" for b in bs]
+            dec = [f"{o[str(b)]['tokens_per_s']:.1f} ({o[str(b)]['tokens_per_s'] / _their_decode(t, b, res):.2f}x)"
+                   for b in bs]
             lines.append(f"| mtpserve {r['dtype']} {name} | " + " | ".join(pp + dec) + " |")
     return lines
 
@@ -151,7 +157,8 @@ def summary(res: dict) -> str:
     """One line per question, from the ratios (ours / llama.cpp, same dtype)."""
     parts = []
     for b in res["batch_sizes"]:
-        plain = [r["ours"]["no_mtp"][str(b)]["tokens_per_s"] / _their_decode(r["llamacpp"], b, res) for r in res["rows"]]
+        plain = [r["ours"]["no_mtp"][str(b)]["tokens_per_s"] / _their_decode(r["llamacpp"], b, res)
+                 for r in res["rows"]]
         best = [max(o[str(b)]["tokens_per_s"] for o in r["ours"].values()) / _their_decode(r["llamacpp"], b, res)
                 for r in res["rows"]]
         parts.append(f"batch {b} decode, ours / llama.cpp: {_span(plain)} without speculation, {_span(best)} with "

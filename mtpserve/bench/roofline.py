@@ -38,8 +38,9 @@ def step_weight_params(cfg, k: int) -> int:
         k = 1, top-2 of 8 experts: main 12 layers with <= 4 experts each + head; MTP layer with <= 4 + head"""
     w = active_weights_per_token(cfg)
     expert = 3 * cfg.hidden_size * (cfg.moe_intermediate_size or 0)
-    extra = lambda tokens: 0 if not cfg.n_routed_experts else expert * (   # noqa: E731 (routed experts beyond one token's)
-        min(cfg.n_routed_experts, tokens * cfg.num_experts_per_tok) - cfg.num_experts_per_tok)
+    def extra(tokens: int) -> int:   # the routed experts `tokens` tokens read beyond one token's
+        return 0 if not cfg.n_routed_experts else expert * (
+            min(cfg.n_routed_experts, tokens * cfg.num_experts_per_tok) - cfg.num_experts_per_tok)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     total = w["layers"] + moe_layers * extra(1 + k) + w["head"]
     if k:
@@ -74,8 +75,8 @@ def run_roofline(model_path: str | None, input_len: int, output_len: int, num_it
     bw = measure_bandwidth()
     log(f"  memory bandwidth: read {bw['read_gb_per_s']:.1f} GB/s, copy {bw['copy_gb_per_s']:.1f} GB/s")
     extra = {"quantization": quantization} if quantization else {}
-    engines = {f"k={k}": latency.build_engine(model_path, latency.spec_dict(k, "mqa", None, None), 1, input_len + output_len,
-                                       enforce_eager, dtype, **extra) for k in ks}
+    engines = {f"k={k}": latency.build_engine(model_path, latency.spec_dict(k, "mqa", None, None), 1,
+                                              input_len + output_len, enforce_eager, dtype, **extra) for k in ks}
     runs = latency.run_interleaved(engines, [1], input_len, output_len, num_iters, log=log)
     first = next(iter(engines.values()))
     weight_bytes = 1 if quantization == "int8" else first.dtype.itemsize
@@ -99,8 +100,8 @@ def run_roofline(model_path: str | None, input_len: int, output_len: int, num_it
 def table(res: dict) -> list[str]:
     lines = [f"Batch 1, {res['mode']}, {res['quantization'] or res['dtype']} weights; read bandwidth (best of 5 sums "
              f"over 1 GiB) {res['bandwidth']['read_gb_per_s']:.1f} GB/s.", "",
-             "| k | MB read per step (weights + KV) | floor ms | measured ms (median step) | share of the floor reached "
-             "| tokens per step |", "|---|---|---|---|---|---|"]
+             "| k | MB read per step (weights + KV) | floor ms | measured ms (median step) "
+             "| share of the floor reached | tokens per step |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         b = r["bytes_per_step"]
         lines.append(f"| {r['k']} | {b['weight_bytes'] / 1e6:.1f} + {b['kv_bytes'] / 1e6:.2f} | "
