@@ -90,3 +90,19 @@ def plot_serve(by_concurrency: dict, plot_dir: str) -> str:
     ax.set(xlabel="concurrent clients", ylabel="TPOT median (ms)", xscale="log", title="Serving: TPOT by concurrency")
     ax.legend(fontsize=7)
     return _save(fig, plot_dir, "serve_tpot.png")
+
+
+def plot_bars(groups: dict, ylabel: str, title: str, plot_dir: str, name: str, log: bool = False) -> str:
+    """Grouped bars: groups {group label: {bar label: value}} (the same bar labels in every group)."""
+    plt = _plt()
+    os.makedirs(plot_dir, exist_ok=True)
+    bars = list(dict.fromkeys(b for g in groups.values() for b in g))
+    width = 0.8 / max(1, len(bars))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for j, b in enumerate(bars):
+        ax.bar([i + j * width for i in range(len(groups))], [g.get(b, 0) for g in groups.values()], width,
+               label=b, color=f"C{j}")
+    ax.set_xticks([i + width * (len(bars) - 1) / 2 for i in range(len(groups))], list(groups))
+    ax.set(ylabel=ylabel, title=title, yscale="log" if log else "linear")
+    ax.legend(fontsize=7)
+    return _save(fig, plot_dir, name)

@@ -220,8 +220,20 @@ def _prefix(recs, plot_dir, page_dir) -> list[str]:
 
 
 def _parallel(recs, plot_dir, page_dir) -> list[str]:
-    from mtpserve.bench.report_parallel import parallel_table
-    return [line for _, rec in recs for line in parallel_table(rec) + [""]]
+    from mtpserve.bench.report_parallel import _layout_name, parallel_table
+    out = []
+    for name, rec in recs:
+        configs = rec["results"]["configs"]
+        groups = {f"batch {row['batch_size']}": {_layout_name(c): c["rows"][i]["tpot_ms"]["median"] for c in configs}
+                  for i, row in enumerate(configs[0]["rows"])}
+        plot = plots.plot_bars(groups, "TPOT median (ms)", "Layouts on the same 2 cores", plot_dir, f"{name}.png")
+        first = _layout_name(configs[0])
+        says = "; ".join(f"{g}: " + ", ".join(f"{lay} {t / by[first]:.2f}x" for lay, t in by.items() if lay != first)
+                         for g, by in groups.items())
+        out += parallel_table(rec) + ["", f"What it says: TPOT against {first}: {says}. On 2 cores the ranks' "
+                                      "collectives cost more than splitting the work saves.", "",
+                                      f"![{name}]({_rel(plot, page_dir)})", ""]
+    return out
 
 
 def _disagg(recs, plot_dir, page_dir) -> list[str]:
@@ -232,6 +244,19 @@ def _disagg(recs, plot_dir, page_dir) -> list[str]:
             acc = (r.get("spec_decode") or {}).get("mean_acceptance_length")
             out.append(f"| {name.removeprefix('disagg_')} | {r['output_token_throughput']:.1f} | "
                        f"{_f(r['ttft_ms']['median'])} | {_f(r['tpot_ms']['median'])} | {_f(acc)} |")
+    serving = {n.removeprefix("disagg_"): r["results"] for n, r in recs if r["benchmark"] == "serve"}
+    groups = {metric: {n: r[f"{metric.lower()}_ms"]["median"] for n, r in serving.items()}
+              for metric in ("TTFT", "TPOT")}
+    plot = plots.plot_bars(groups, "median (ms, log scale)", "Colocated vs one prefill + one decode server",
+                           plot_dir, "disagg.png", log=True)
+    base = serving.get("colocated_2cores")
+    if base:
+        out += ["", "What it says: against one colocated server on both cores, " + "; ".join(
+            f"{n}: TTFT {r['ttft_ms']['median'] / base['ttft_ms']['median']:.2f}x, TPOT "
+            f"{r['tpot_ms']['median'] / base['tpot_ms']['median']:.2f}x" for n, r in serving.items() if r is not base)
+            + " (the prefill server has one core where the colocated one has two; the decode server's steps carry "
+              "no prompts)."]
+    out += ["", f"![disagg]({_rel(plot, page_dir)})"]
     for name, rec in recs:
         if rec["benchmark"] == "handoff":
             out += ["", f"**{name}**:", ""] + other_table(rec)[2:]
