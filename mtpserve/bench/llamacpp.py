@@ -83,6 +83,8 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
     positions = ModelConfig.from_pretrained(model).max_position_embeddings
     longest = max([n + 1 for n in prompt_lens] + [input_len + output_len])
     max_len = min(longest, positions - max(ks) - 8)   # (build_engine's headroom)
+    # a 2,048-token prompt in a model of 2,048 positions: ours gets the longest that leaves room to generate
+    our_lens = [min(n, max_len - 1) for n in prompt_lens]
     specs = {("no_mtp" if k == 0 else f"mtp_k{k}"): spec_dict(k, "mqa", None, None) for k in ks}
     if adaptive:
         specs[f"adaptive_k{max(ks)}"] = dict(method="mtp", num_speculative_tokens=max(ks), adaptive=True)
@@ -97,16 +99,14 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
         runs = run_interleaved(engines, batch_sizes, input_len, output_len, num_iters, log=log)
         ours = {name: {str(bs): _decode_speed(aggregate(runs[(bs, name)]), bs) for bs in batch_sizes}
                 for name in engines}
-        # a 2,048-token prompt in a model of 2,048 positions: ours gets the longest that leaves room to generate
-        pp = {f"pp{n}": our_prompt_speed(engines["no_mtp"], min(n, max_len - 1), num_iters) for n in prompt_lens}
+        pp = {f"pp{n}": our_prompt_speed(engines["no_mtp"], mine, num_iters) for n, mine in zip(prompt_lens, our_lens)}
         log(f"  ours {dtype}: {time.perf_counter() - start:.0f} s")
         for eng in engines.values():
             eng.shutdown()
         theirs.append(_theirs(gguf, threads, prompt_lens, output_len, batch_sizes, num_iters, log))
         rows.append(dict(dtype=dtype, gguf_type=outtype, ours=ours, ours_prompt=pp, llamacpp=_mean(theirs)))
     return dict(threads=threads, input_len=input_len, output_len=output_len, batch_sizes=batch_sizes,
-                prompt_lens=prompt_lens, our_prompt_lens=[min(n, max_len - 1) for n in prompt_lens],
-                num_iters=num_iters, rows=rows)
+                prompt_lens=prompt_lens, our_prompt_lens=our_lens, num_iters=num_iters, rows=rows)
 
 
 def _theirs(gguf: str, threads: int, prompt_lens: list[int], gen_len: int, batch_sizes: list[int], reps: int,
@@ -138,18 +138,19 @@ def table(res: dict) -> list[str]:
         t = r["llamacpp"]
         lines.append(f"| llama.cpp {r['gguf_type']} | " + " | ".join(
             [f"{t[f'pp{n}']:.0f}" for n in res["prompt_lens"]] +
-            [f"{_their_decode(t, b, res):.1f}" for b in bs]) + " |")
+            [f"{their_decode(t, b, res):.1f}" for b in bs]) + " |")
         for name in ours_names:
             o = r["ours"][name]
             pp = [f"{r['ours_prompt'][f'pp{n}']:.0f} ({r['ours_prompt'][f'pp{n}'] / t[f'pp{n}']:.2f}x)"
                   if name == "no_mtp" else "" for n in res["prompt_lens"]]
-            dec = [f"{o[str(b)]['tokens_per_s']:.1f} ({o[str(b)]['tokens_per_s'] / _their_decode(t, b, res):.2f}x)"
+            dec = [f"{o[str(b)]['tokens_per_s']:.1f} ({o[str(b)]['tokens_per_s'] / their_decode(t, b, res):.2f}x)"
                    for b in bs]
             lines.append(f"| mtpserve {r['dtype']} {name} | " + " | ".join(pp + dec) + " |")
     return lines
 
 
-def _their_decode(t: dict, batch: int, res: dict) -> float:
+def their_decode(t: dict, batch: int, res: dict) -> float:
+    """llama.cpp's decode tokens/s at this batch size (llama-bench's tg at 1, llama-batched-bench above)."""
     return t[f"tg{res['output_len']}"] if batch == 1 else t[f"batch{batch}"]
 
 
@@ -157,9 +158,9 @@ def summary(res: dict) -> str:
     """One line per question, from the ratios (ours / llama.cpp, same dtype)."""
     parts = []
     for b in res["batch_sizes"]:
-        plain = [r["ours"]["no_mtp"][str(b)]["tokens_per_s"] / _their_decode(r["llamacpp"], b, res)
+        plain = [r["ours"]["no_mtp"][str(b)]["tokens_per_s"] / their_decode(r["llamacpp"], b, res)
                  for r in res["rows"]]
-        best = [max(o[str(b)]["tokens_per_s"] for o in r["ours"].values()) / _their_decode(r["llamacpp"], b, res)
+        best = [max(o[str(b)]["tokens_per_s"] for o in r["ours"].values()) / their_decode(r["llamacpp"], b, res)
                 for r in res["rows"]]
         parts.append(f"batch {b} decode, ours / llama.cpp: {_span(plain)} without speculation, {_span(best)} with "
                      "the best of our engines")

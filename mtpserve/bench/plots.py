@@ -58,27 +58,6 @@ def _save(fig, plot_dir: str, name: str) -> str:
     return path
 
 
-def plot_peers(res: dict, plot_dir: str, name: str) -> str:
-    """Batch-1 decode tokens/s: llama.cpp beside each of our engines, per weight type."""
-    plt = _plt()
-    os.makedirs(plot_dir, exist_ok=True)
-    b = res["batch_sizes"][0]
-    engines = list(res["rows"][0]["ours"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / (1 + len(engines))
-    for i, row in enumerate(res["rows"]):
-        theirs = row["llamacpp"][f"tg{res['output_len']}"] if b == 1 else row["llamacpp"][f"batch{b}"]
-        ax.bar(i, theirs, width, color="gray", label="llama.cpp" if i == 0 else None)
-        for j, e in enumerate(engines):
-            ax.bar(i + (j + 1) * width, row["ours"][e][str(b)]["tokens_per_s"], width, color=f"C{j}",
-                   label=f"mtpserve {e}" if i == 0 else None)
-    ax.set_xticks([i + width * len(engines) / 2 for i in range(len(res["rows"]))],
-                  [f"{r['dtype']} / {r['gguf_type']}" for r in res["rows"]])
-    ax.set(ylabel="decode tokens/s", title=f"Batch {b} decode, {res['threads']} thread(s)")
-    ax.legend(fontsize=7)
-    return _save(fig, plot_dir, f"{name}.png")
-
-
 def plot_serve(by_concurrency: dict, plot_dir: str) -> str:
     """TPOT (median) against concurrency, one line per server configuration."""
     plt = _plt()

@@ -158,7 +158,12 @@ def _peers_llamacpp(recs, plot_dir, page_dir) -> list[str]:
         out += [f"**{res['threads']} thread{'s' if res['threads'] > 1 else ''}, mtpserve in {mode}** (ratios: ours / "
                 "llama.cpp" + (f"; our prompts hold {', '.join(cut)} tokens, as many as the engine's positions "
                                "hold with room to generate" if cut else "") + "):", ""] + llamacpp.table(res) + [""]
-        out += [f"![{name}]({_rel(plots.plot_peers(res, plot_dir, name), page_dir)})", ""]
+        b = res["batch_sizes"][0]
+        groups = {f"{r['dtype']} / {r['gguf_type']}": {"llama.cpp": llamacpp.their_decode(r["llamacpp"], b, res)}
+                  | {f"mtpserve {e}": o[str(b)]["tokens_per_s"] for e, o in r["ours"].items()} for r in res["rows"]}
+        plot = plots.plot_bars(groups, "decode tokens/s", f"Batch {b} decode, {res['threads']} thread(s)",
+                               plot_dir, f"{name}.png")
+        out += [f"![{name}]({_rel(plot, page_dir)})", ""]
         out += ["What it says: " + llamacpp.summary(res), ""]
     return out + ["llama.cpp: the version llama-cpp-python 0.3.36 vendors, built by scripts/build_llamacpp.sh for this "
                   "CPU; the checkpoint converted by its own converter (bench/gguf_convert.py says what is mapped); "

@@ -50,9 +50,9 @@ def step_weight_params(cfg, k: int) -> int:
     return total
 
 
-def step_bytes(cfg, k: int, weight_bytes: float, kv_bytes: int, context_len: float) -> dict:
-    weights = step_weight_params(cfg, k) * weight_bytes
-    kv = (cfg.num_hidden_layers + (1 if k else 0)) * cfg.kv_cache_dim * kv_bytes * context_len
+def step_bytes(cfg, k: int, bytes_per_weight: float, bytes_per_kv_value: int, context_len: float) -> dict:
+    weights = step_weight_params(cfg, k) * bytes_per_weight
+    kv = (cfg.num_hidden_layers + (1 if k else 0)) * cfg.kv_cache_dim * bytes_per_kv_value * context_len
     return dict(weight_bytes=weights, kv_bytes=kv, total_bytes=weights + kv)
 
 
@@ -79,12 +79,12 @@ def run_roofline(model_path: str | None, input_len: int, output_len: int, num_it
                                               input_len + output_len, enforce_eager, dtype, **extra) for k in ks}
     runs = latency.run_interleaved(engines, [1], input_len, output_len, num_iters, log=log)
     first = next(iter(engines.values()))
-    weight_bytes = 1 if quantization == "int8" else first.dtype.itemsize
+    bytes_per_weight = 1 if quantization == "int8" else first.dtype.itemsize
     rows = []
     for k, (name, eng) in zip(ks, engines.items()):
         agg = latency.aggregate(runs[(1, name)])
         step_s = agg["itl_ms"]["median"] / 1e3
-        nbytes = step_bytes(eng.model.config, k, weight_bytes, eng.dtype.itemsize, input_len + output_len / 2)
+        nbytes = step_bytes(eng.model.config, k, bytes_per_weight, eng.dtype.itemsize, input_len + output_len / 2)
         floor_s = nbytes["total_bytes"] / (bw["read_gb_per_s"] * 1e9)
         rows.append(dict(k=k, bytes_per_step=nbytes, bandwidth_floor_step_ms=floor_s * 1e3,
                          measured_step_ms_median=step_s * 1e3, fraction_of_roofline=floor_s / step_s,

@@ -105,7 +105,7 @@ class CallStream:
         deltas = []
         for j, (name, args) in enumerate(read.calls):
             if j == len(self.ids):
-                self.ids.append(new_call(name, "")["id"])
+                self.ids.append(call_id())
                 self.sent_args.append(0)
                 deltas.append({"index": j, "id": self.ids[j], "type": "function",
                                "function": {"name": name, "arguments": ""}})
@@ -115,6 +115,10 @@ class CallStream:
         return content, deltas
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def new_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
