@@ -90,6 +90,9 @@ def add_graph_args(p: argparse.ArgumentParser, batch_sizes: bool = True) -> None
     p.add_argument("--graph-mode", action="store_true",
                    help="compiled decode steps also on the CPU (faster decode; compiling at start-up: seconds with a "
                         "warm inductor cache, minutes cold)")
+    p.add_argument("--compile-in-background", action="store_true",
+                   help="graph mode on the CPU: ready at once; each graph is compiled in a background thread when a "
+                        "step first needs it (eager until then); a fixed k only")
     if batch_sizes:
         p.add_argument("--graph-batch-sizes", default=None,
                        help="comma list (default: 1,2,4,8,16,32); fewer sizes compile faster")
@@ -100,6 +103,8 @@ def graph_kwargs(args) -> dict:
     if args.graph_mode and args.enforce_eager:
         raise SystemExit("--graph-mode and --enforce-eager: choose one")
     kw = dict(enforce_eager=False if args.graph_mode else args.enforce_eager)
+    if args.compile_in_background:
+        kw["compile_in_background"] = True
     if getattr(args, "graph_batch_sizes", None):
         kw["graph_batch_sizes"] = [int(b) for b in args.graph_batch_sizes.split(",")]
     return kw

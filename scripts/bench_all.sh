@@ -17,6 +17,8 @@ $B adaptive --max-k 3 --batch-sizes 1,8,32 --input-len 32 --output-len 64 --num-
 # Batch-1 steps against the bandwidth floor of the bytes they read, graph mode, plain and verifying 1 and 2 drafts
 $B roofline --graph-mode --ks 0,1,2 --input-len 32 --output-len 128 --num-iters 3 --threads 1 \
   --output-json $R/roofline.json
+# Graph-mode start-up of `mtpserve serve`: graphs compiled at start-up vs in the background, cold and warm cache
+$B startup --duration 120 --timeout 900 --output-len 64 --output-json $R/startup.json
 # Peers on the same checkpoint: llama.cpp (f32 / bf16 / Q8_0 against our fp32 / bf16 / int8), transformers
 $B peers --peers llamacpp --graph-mode --dtypes float32,bfloat16,int8 --ks 0,2 --batch-sizes 1,8 \
   --prompt-lens 512,2048 --output-len 128 --num-iters 3 --threads 1 --output-json $R/peers_llamacpp_graph_t1.json

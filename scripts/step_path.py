@@ -1,7 +1,10 @@
 """Counts what one MTP decode step passes through: the mtpserve files and functions LLMEngine.step reaches, and
 the branches in them (`if`s, ternaries and comprehension `if`s; a nested function counts once, if reached).
 
-    python scripts/step_path.py [--graph-mode] [--k 1] [--fixed]
+    python scripts/step_path.py [--graph-mode] [--k 1] [--fixed] [--without-model]
+
+--without-model leaves out mtpserve/model/ (the forward itself: layers, attention, MoE), as a count of an
+engine's step loop would (nano-vllm's 3 files are its engine, scheduler and runner).
 """
 import argparse
 import ast
@@ -49,6 +52,7 @@ def main() -> None:
     ap.add_argument("--graph-mode", action="store_true")
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--fixed", action="store_true", help="speculative_config adaptive: false")
+    ap.add_argument("--without-model", action="store_true", help="leave out mtpserve/model/")
     args = ap.parse_args()
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "adaptive": not args.fixed}
     graphs = dict(enforce_eager=False, graph_batch_sizes=[2]) if args.graph_mode else dict(enforce_eager=True)
@@ -59,6 +63,8 @@ def main() -> None:
     for _ in range(4):   # prefill, then decode steps until the batch is steady
         llm.engine.step()
     reached = trace_step(llm)
+    if args.without_model:
+        reached = {r for r in reached if not r[0].startswith(str(ROOT / "model"))}
     by_file: dict[str, int] = {}
     for filename, line, name in sorted(reached):
         node = functions_by_line(filename).get(line)

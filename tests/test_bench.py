@@ -290,3 +290,23 @@ def test_bench_roofline(ckpt, tmp_path):
     assert rows[1]["bytes_per_step"]["weight_bytes"] > rows[0]["bytes_per_step"]["weight_bytes"] > 0
     for r in rows:   # (a floor is a floor: no step reads its bytes faster than the bandwidth allows)
         assert 0 < r["fraction_of_roofline"] < 1.5
+
+
+def test_bench_startup_times_real_servers_and_reports_them(ckpt, tmp_path):
+    """`bench startup` starts `mtpserve serve --graph-mode --compile-in-background` from an empty inductor cache
+    and again from the one it left, times /health, sends completions for --duration seconds, and the report
+    writes its section."""
+    from mtpserve.bench import report
+    rec = run_cli(["bench", "startup", "--model", ckpt, "--modes", "background", "--duration", "3",
+                   "--timeout", "120", "--output-len", "4", "--graph-batch-sizes", "1", "--speculative-config",
+                   '{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}'], tmp_path / "startup.json")
+    rows = rec["results"]["rows"]
+    assert [(r["mode"], r["cache"]) for r in rows] == [("background", "cold"), ("background", "warm")]
+    for r in rows:
+        assert 0 < r["ready_s"] < 120 and r["timeline"]
+        assert all(t >= r["ready_s"] and tps > 0 for t, tps in r["timeline"])
+    page = tmp_path / "B.md"
+    report.write_report([str(tmp_path / "startup.json")], str(page), str(tmp_path / "plots"))
+    text = page.read_text()
+    assert "## Graph-mode start-up" in text and "| in the background | cold |" in text
+    assert (tmp_path / "plots" / "startup.png").exists()

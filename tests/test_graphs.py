@@ -1,5 +1,7 @@
 """Graph mode: uniform decode/verify steps as compiled fixed-shape graphs; outputs identical to eager, and
 no recompilation once the graphs are built."""
+import time
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -89,6 +91,7 @@ def test_graph_mode_flags():
     kw = engine_kwargs(parser.parse_args(["--graph-mode", "--graph-batch-sizes", "1,4"]))
     assert kw["enforce_eager"] is False and kw["graph_batch_sizes"] == [1, 4]
     assert engine_kwargs(parser.parse_args([]))["enforce_eager"] is None   # default: graphs on CUDA only
+    assert engine_kwargs(parser.parse_args(["--graph-mode", "--compile-in-background"]))["compile_in_background"]
     with pytest.raises(SystemExit, match="choose one"):
         engine_kwargs(parser.parse_args(["--graph-mode", "--enforce-eager"]))
 
@@ -127,3 +130,41 @@ def test_compiled_moe_paths_match_eager_in_bf16(num_tokens):
         eager = layer(x)
         compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
     assert (compiled.float() - eager.float()).abs().max() <= 0.02 * eager.float().abs().max()
+
+
+def test_compile_in_background_serves_at_once_then_runs_the_graph(ckpt):
+    """compile_in_background: nothing is built at start-up; the first decode step queues its fused graph and
+    runs eagerly; once the compiler thread has built it, steps run it, with eager's tokens throughout. Only the
+    start-up shapes are queued (a prompt chunk's shape is not)."""
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
+    eager = LLM(ckpt, speculative_config=spec, enforce_eager=True)
+    graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1], max_model_len=64,
+                compile_in_background=True)
+    graphs = graph.engine.runner.graphs
+    assert graph.engine.graph_warmup_seconds == 0 and not graphs.graphs
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params,
+                                                            use_tqdm=False)]
+    deadline = time.monotonic() + 600
+    while ("fused", 1, 2) not in graphs.graphs:
+        got = graph.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert time.monotonic() < deadline, "the background compiler built nothing in 600 s"
+        time.sleep(0.5)
+    assert ("fused", 1, 2) in graphs._queued and all(q <= 2 for _, _, q in graphs._queued)
+    runs = []
+    run_fused = graphs.run_fused
+    graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
+    got = graph.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want and runs
+    graph.engine.shutdown()
+    assert not graphs._compiler.is_alive()
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(enforce_eager=True), "graph mode only"),
+    (dict(enforce_eager=False, speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "adaptive"),
+    (dict(enforce_eager=False, tensor_parallel_size=2), "one process only")])
+def test_compile_in_background_refused_where_it_cannot_work(ckpt, kwargs, why):
+    with pytest.raises(ValueError, match=f"compile_in_background: .*{why}"):
+        LLM(ckpt, compile_in_background=True, **kwargs)

@@ -1,12 +1,11 @@
 """`mtpserve bench {latency,throughput,serve,peers,roofline,quantization,report,...}` (flags follow `vllm bench`)."""
 import argparse
-import asyncio
-import json
 import time
 
 from mtpserve.bench import common
 from mtpserve.bench.peers import from_args as _peers  # noqa: F401 (run_bench dispatches by name)
 from mtpserve.bench.quantization import from_args as _quantization  # noqa: F401
+from mtpserve.bench.startup import from_args as _startup  # noqa: F401
 from mtpserve.engine_args import add_graph_args, add_model_args, add_quantization_arg, graph_kwargs
 
 
@@ -88,6 +87,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sv.add_argument("--max-concurrency", type=int, default=None)
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--seed", type=int, default=0)
+    st = sub.add_parser("startup", help="`serve --graph-mode`: time to ready and decode speed after, graphs "
+                                        "compiled at start-up vs in the background, cold and warm inductor cache")
+    _common(st, 32, 64)
+    st.add_argument("--duration", type=float, default=150, help="seconds of requests after ready")
+    st.add_argument("--timeout", type=float, default=600, help="seconds to wait for ready")
+    st.add_argument("--graph-batch-sizes", default=None, help="comma list (default: the engine's)")
+    st.add_argument("--modes", default="background,startup", help="when graphs compile: comma list")
     pe = sub.add_parser("peers", help="our engine vs transformers generate and llama.cpp on the same checkpoint")
     _common(pe, 32, 64)
     pe.add_argument("--peers", default="transformers", help="comma list of transformers,llamacpp")
@@ -150,7 +156,8 @@ def run_bench(args) -> dict | None:
         latency.ENGINE_DEFAULTS["enable_prefix_caching"] = args.enable_prefix_caching
     record = common.run_record(args.bench_command, args)
     if args.bench_command == "serve":
-        record["results"] = _serve(args, record)
+        from mtpserve.bench import serve
+        record["results"] = serve.from_args(args)
     else:
         path, kind = common.resolve_model(args.model, args.scratch_dir) if not getattr(args, "random_dense", False) \
             else (None, "random dense (roofline)")
@@ -266,35 +273,3 @@ def _roofline(args, path: str | None) -> dict:
                                 args.quantization, common.parse_list(args.ks))
     print("\n".join(roofline.table(res)))
     return res
-
-
-def _serve(args, record: dict) -> dict:
-    try:
-        import httpx2 as httpx
-    except ImportError:
-        import httpx
-    from mtpserve.bench import serve
-    base = args.base_url or f"http://{args.host}:{args.port}"
-    model = args.served_model_name
-    if model is None:
-        models = httpx.get(base + "/v1/models", timeout=30,
-                           headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
-        model = models["data"][0]["id"]
-    vocab, tokenizer = _server_vocab(args)
-    prompts = common.make_prompts(args.num_prompts, args.input_len, vocab, tokenizer, seed=args.seed)
-    res = asyncio.run(serve.run_clients(base, model, prompts, args.output_len, args.request_rate,
-                                        args.max_concurrency, not args.fixed_rate, args.api_key, args.seed))
-    res.update(base_url=base, served_model=model, request_rate=str(args.request_rate),
-               arrivals="fixed" if args.fixed_rate else "poisson", max_concurrency=args.max_concurrency)
-    serve.print_serving(res)
-    return res
-
-
-def _server_vocab(args):
-    """Prompts are token ids below the model's vocab: --model (the server's checkpoint) gives the vocab size
-    and tokenizer (stdlib-source prompts); without it, random ids below 256 (safe for any checkpoint we make)."""
-    if args.model:
-        from mtpserve.model.loader import load_tokenizer
-        with open(f"{args.model}/config.json") as f:
-            return json.load(f)["vocab_size"], load_tokenizer(args.model)
-    return 256, None

@@ -85,3 +85,15 @@ def plot_bars(groups: dict, ylabel: str, title: str, plot_dir: str, name: str, l
     ax.set(ylabel=ylabel, title=title, yscale="log" if log else "linear")
     ax.legend(fontsize=7)
     return _save(fig, plot_dir, name)
+
+
+def plot_lines(lines: dict, xlabel: str, ylabel: str, title: str, plot_dir: str, name: str) -> str:
+    """One line per label: lines {label: [(x, y), ...]}."""
+    plt = _plt()
+    os.makedirs(plot_dir, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, points in lines.items():
+        ax.plot([x for x, _ in points], [y for _, y in points], marker=".", label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend(fontsize=7)
+    return _save(fig, plot_dir, name)

@@ -22,6 +22,8 @@ SECTIONS = [   # (kind, title, the question it answers)
     ("latency", "MTP speedup by k and batch size, eager and graph mode",
      "How much faster does a request decode with MTP, for each number of drafts k?"),
     ("adaptive", "Adaptive k against fixed k", "Does choosing k per step match the best fixed k?"),
+    ("startup", "Graph-mode start-up: graphs compiled at start-up or in the background",
+     "How soon does `mtpserve serve --graph-mode` answer, and how fast does it decode in the minutes after?"),
     ("roofline", "Batch-1 decode against the memory-bandwidth floor",
      "How close does a step come to the time it takes to read its bytes?"),
     ("peers_llamacpp", "Against llama.cpp on the same checkpoint",
@@ -133,6 +135,20 @@ def _adaptive(recs, plot_dir, page_dir) -> list[str]:
     vs_none = [r["adaptive_vs_no_mtp"] for r in res["rows"]]
     return out + ["", f"What it says: adaptive k runs at {min(vs_best):.2f}-{max(vs_best):.2f}x the best fixed k "
                       f"of each batch size and {min(vs_none):.2f}-{max(vs_none):.2f}x no speculation."]
+
+
+def _startup(recs, plot_dir, page_dir) -> list[str]:
+    from mtpserve.bench import startup
+    res = recs[0][1]["results"]
+    lines = {f"{r['mode']}, {r['cache']}": r["timeline"] for r in res["rows"]}
+    plot = plots.plot_lines(lines, "seconds since the server started", "batch-1 output tokens/s",
+                            "Decode speed after start-up", plot_dir, "startup.png")
+    says = "; ".join(f"{r['mode']} {r['cache']}: " + (f"ready after {r['ready_s']} s" if r["ready_s"] else
+                                                       f"not ready after {res['timeout_s']:.0f} s")
+                     for r in res["rows"])
+    return startup.table(res) + ["", f"What it says: {says}. Speculative config {res['speculative_config']}, graph "
+                                     f"batch sizes {res['graph_batch_sizes']}.", "",
+                                 f"![startup]({_rel(plot, page_dir)})"]
 
 
 def _roofline(recs, plot_dir, page_dir) -> list[str]:

@@ -138,3 +138,35 @@ def print_serving(s: dict) -> None:
     if sd and sd["num_drafts"]:
         print(f"spec decode: acceptance rate {sd['acceptance_rate']:.3f}, mean acceptance length "
               f"{sd['mean_acceptance_length']:.2f}, per position {[round(x, 3) for x in sd['acceptance_per_position']]}")
+
+
+def from_args(args) -> dict:
+    """`mtpserve bench serve`: the clients against --base-url (or --host/--port)."""
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    base = args.base_url or f"http://{args.host}:{args.port}"
+    model = args.served_model_name
+    if model is None:
+        models = httpx.get(base + "/v1/models", timeout=30,
+                           headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
+        model = models["data"][0]["id"]
+    vocab, tokenizer = _server_vocab(args)
+    prompts = common.make_prompts(args.num_prompts, args.input_len, vocab, tokenizer, seed=args.seed)
+    res = asyncio.run(run_clients(base, model, prompts, args.output_len, args.request_rate,
+                                        args.max_concurrency, not args.fixed_rate, args.api_key, args.seed))
+    res.update(base_url=base, served_model=model, request_rate=str(args.request_rate),
+               arrivals="fixed" if args.fixed_rate else "poisson", max_concurrency=args.max_concurrency)
+    print_serving(res)
+    return res
+
+
+def _server_vocab(args):
+    """Prompts are token ids below the model's vocab: --model (the server's checkpoint) gives the vocab size
+    and tokenizer (stdlib-source prompts); without it, random ids below 256 (safe for any checkpoint we make)."""
+    if args.model:
+        from mtpserve.model.loader import load_tokenizer
+        with open(f"{args.model}/config.json") as f:
+            return json.load(f)["vocab_size"], load_tokenizer(args.model)
+    return 256, None

@@ -49,7 +49,9 @@ class LLMEngine:
         self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)
         self.use_graphs = self.runner.graphs is not None
         self.graph_warmup_seconds = self.runner.graphs.compile_seconds if self.use_graphs else 0.0
-        if self.use_graphs:
+        if self.use_graphs and self.runner.graphs.background:
+            logger.info("graph mode: each graph is compiled in the background when a step first needs it")
+        elif self.use_graphs:
             from torch._inductor.runtime.cache_dir_utils import cache_dir
             logger.info("graph mode: %d graphs (batch sizes %s%s) built in %.1fs; compile cache %s",
                         len(self.runner.graphs.graphs), cfg.graph_batch_sizes,

@@ -17,4 +17,5 @@ class UniProcExecutor:
         pass
 
     def shutdown(self) -> None:
-        pass
+        if self.runner.graphs is not None:
+            self.runner.graphs.stop()   # (compile_in_background: after the graph it is building)

@@ -113,7 +113,10 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
     seed = cfg.seed + (rank if dp is not None else 0)   # (data-parallel ranks draw for different requests)
     runner_args = (model, num_blocks, cfg.block_size, spec, device, setup.dtype, seed,
                    cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot)
-    runner = ModelRunner(*runner_args) if dp is None else DataParallelRunner(*runner_args, dp=dp)
+    if dp is None:
+        runner = ModelRunner(*runner_args, compile_in_background=cfg.compile_in_background)
+    else:
+        runner = DataParallelRunner(*runner_args, dp=dp)
     runner.warm_up_graphs()
     summary = rank_summary(rank, runner, stats, load_rss_rise, load_seconds)
     every = [summary]

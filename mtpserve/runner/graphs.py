@@ -9,7 +9,15 @@ all of max_model_len. Inputs are copied into static buffers. On CUDA the compile
 graphs (torch.compile "reduce-overhead"; one per KV bucket, recorded at warm-up); on the CPU it is an
 inductor-compiled kernel. Anything else (prefill chunks, batches above the largest size) runs eagerly in the
 same loop.
+
+compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
+queues its graph for a compiler thread and runs eagerly, as do the steps after it until the graph is built:
+    step 1 fused b1 q3: queued, eager   ...   step 40 fused b1 q3: graph   (the thread took ~30 s cold)
 """
+import logging
+import queue
+import sys
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -20,6 +28,8 @@ import torch._dynamo
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.runner.batch import Row
 
+logger = logging.getLogger("mtpserve")
+COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
 
 @dataclass
 class StaticInputs:
@@ -44,10 +54,10 @@ class StaticInputs:
 
 class GraphRunner:
     def __init__(self, model, main_caches, mtp_caches, batch_sizes: list[int], block_size: int,
-                 max_span: int, device, spec=None, compiled: bool = True):
+                 max_span: int, device, spec=None, compiled: bool = True, background: bool = False):
         """spec: the speculative config (how the sampled fused step drafts and verifies). compiled: false runs
         the same step functions eagerly (eager mode's decode steps, spec_decode/fused.py): no padding, no
-        warm-up, built on first use."""
+        warm-up, built on first use. background: graphs are built by a compiler thread when first needed."""
         self.model, self.main_caches, self.mtp_caches = model, main_caches, mtp_caches
         self.spec = spec
         self.batch_sizes = sorted(batch_sizes)
@@ -56,6 +66,11 @@ class GraphRunner:
         self.graphs: dict[tuple, tuple] = {}    # (what, batch, query_len) -> (compiled fn, static buffers)
         self.compile_seconds = 0.0
         self.compiled = compiled
+        self.background = background
+        self.shapes: set[tuple[str, int]] = set()   # (what, query length) graphs are built for (warm_up)
+        self._queued: set[tuple] = set()
+        self._to_compile: queue.Queue = queue.Queue()   # keys, then None: stop
+        self._compiler: threading.Thread | None = None
         self.cuda_graphs = compiled and torch.device(device).type == "cuda"
         mode = "reduce-overhead" if self.cuda_graphs else None
         self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True, options={   # (a dict
@@ -75,10 +90,48 @@ class GraphRunner:
     def fits(self, what: str, rows: list[Row], output_index: list[int] | None = None) -> bool:
         """Rows fit a graph built at start-up: same query length everywhere and a batch size that pads to one
         (a prefill batch of equal-length chunks does not: it runs eagerly, nothing is compiled mid-run)."""
-        q = len(rows[0].token_ids)
-        return ((what, self.padded_size(len(rows)), q) in self.graphs and all(len(r.token_ids) == q for r in rows)
+        q, size = len(rows[0].token_ids), self.padded_size(len(rows))
+        return (size is not None and all(len(r.token_ids) == q for r in rows)
                 and all(len(r.block_ids) <= self.max_blocks for r in rows)
-                and self.indexed(what, q) == (output_index is not None))
+                and self.indexed(what, q) == (output_index is not None) and self.ready((what, size, q)))
+
+    def ready(self, key: tuple) -> bool:
+        """The graph (what, batch, query length) is built; in background mode a missing one of warm_up's shapes
+        is queued."""
+        if key in self.graphs:
+            return True
+        if self.background and (key[0], key[2]) in self.shapes and key not in self._queued:
+            self._queued.add(key)
+            self._to_compile.put(key)
+            if self._compiler is None:
+                self._compiler = threading.Thread(target=self._compile_queued, name="mtpserve-compile", daemon=True)
+                self._compiler.start()
+        return False
+
+    def _compile_queued(self) -> None:
+        while (key := self._to_compile.get()) is not None:
+            start, switch = time.perf_counter(), sys.getswitchinterval()
+            # The model thread takes the GIL back after every op: with Python's 5 ms turns, a step of hundreds
+            # of ops waits seconds on a compiling thread (stalls of ~20 s per step: docs/history.md).
+            sys.setswitchinterval(COMPILING_SWITCH_INTERVAL)
+            try:
+                built = self._build(*key)
+            except Exception:   # (that shape keeps running eagerly)
+                logger.exception("graph %s: compiling failed; its steps run eagerly", key)
+                continue
+            finally:
+                sys.setswitchinterval(switch)
+            self.graphs[key] = built
+            logger.info("graph %s built in the background in %.1fs (%d built)", key, time.perf_counter() - start,
+                        len(self.graphs))
+
+    def stop(self) -> None:
+        """Stops the compiler thread after the graph it is building (background mode)."""
+        if self._compiler is not None:
+            while not self._to_compile.empty():
+                self._to_compile.get_nowait()
+            self._to_compile.put(None)
+            self._compiler.join()
 
     def run(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
             output_index: list[int] | None = None, batch: int | None = None) -> torch.Tensor:
@@ -101,7 +154,8 @@ class GraphRunner:
     def fits_fused(self, what: str, scheduled, k: int) -> bool:
         """A fused step (spec_decode/fused.py: what is "fused" or "fused_sampled") was built for this batch
         size, and the table covers the drafts' positions (up to 2k past the pending token)."""
-        return (((what, self.padded_size(len(scheduled)), 1 + k) in self.graphs or not self.compiled)
+        size = self.padded_size(len(scheduled))
+        return ((not self.compiled or size is not None and self.ready((what, size, 1 + k)))
                 and all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled))
 
     def run_fused(self, what: str, rows: list[Row], sampling: list[torch.Tensor] | None = None):
@@ -234,7 +288,11 @@ class GraphRunner:
         return next(self.model.parameters()).dtype
 
     def warm_up(self, shapes: list[tuple[str, int]]) -> None:
-        """Builds the graph of every (what, query length) in `shapes` for every batch size."""
+        """Builds the graph of every (what, query length) in `shapes` for every batch size (background mode: as
+        steps first need them)."""
+        self.shapes = set(shapes)
+        if self.background:
+            return
         for b in self.batch_sizes:
             for what, q in shapes:
                 self._graph(what, b, q)

@@ -24,8 +24,9 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
-                 max_span: int = 0):
-        """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot)."""
+                 max_span: int = 0, compile_in_background: bool = False):
+        """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot).
+        compile_in_background: graphs are built by a compiler thread as steps first need them (runner/graphs.py)."""
         cfg = model.config
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
         # One more block than the manager hands out: slot -1 (padding) lands in its last row.
@@ -37,20 +38,18 @@ class ModelRunner:
         self.graphs = None
         if graph_batch_sizes:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
-                                      max_span, device, spec)
+                                      max_span, device, spec, background=compile_in_background)
         self.pass_counts = Counter()   # forwards run: "main", "mtp" and (DP) their dummies
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device)
         # MTP decode steps (k drafts verified, k drafted) run as one function (spec_decode/fused.py), in one
-        # process: compiled in graph mode, for each k a step can verify and draft; eagerly otherwise
+        # process: its graph when built (graph mode), for each k a step can verify and draft; else eagerly
         fuses = (self.fuses_steps and self.proposer is not None and self.proposer.fuses_with_verification
                  and spec.fused_graph_step and spec.synthetic_acceptance is None and spec.scorer == "mqa")
-        self.builds_fused_step = fuses and self.graphs is not None
-        self.fused_steps = self.graphs if self.builds_fused_step else None
-        if fuses and self.graphs is None:
-            self.fused_steps = GraphRunner(model, self.main_caches, self.mtp_caches, [], block_size, max_span, device,
-                                           spec, compiled=False)
+        self.fused_graphs = self.graphs if fuses else None
+        self.fused_eager = GraphRunner(model, self.main_caches, self.mtp_caches, [], block_size, max_span, device,
+                                       spec, compiled=False) if fuses else None
 
     def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
@@ -75,7 +74,7 @@ class ModelRunner:
             return 0.0
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
         shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
-        if self.builds_fused_step:
+        if self.fused_graphs is not None:
             for k in verified:   # (adaptive k: 0 too, plain decoding with the MTP layers' KV passes)
                 shapes += [("fused", 1 + k), ("fused_sampled", 1 + k)]
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
@@ -93,7 +92,9 @@ class ModelRunner:
             sampling = fused.sampling_inputs(self.spec, [s.req for s in scheduled],
                                              [s.draft_token_ids for s in scheduled], self.model.config.vocab_size,
                                              self.generator, self.device)
-        outs, probs = self.fused_steps.run_fused(what, rows, sampling)
+        graphs = self.fused_graphs
+        steps = graphs if graphs is not None and graphs.fits_fused(what, scheduled, k) else self.fused_eager
+        outs, probs = steps.run_fused(what, rows, sampling)
         results = []
         for i, out in enumerate(outs):
             accepted = out[1 + k]
