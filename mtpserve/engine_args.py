@@ -86,7 +86,8 @@ def add_graph_args(p: argparse.ArgumentParser, batch_sizes: bool = True) -> None
     """Graph-mode flags, shared by generate, serve and bench (see graph_kwargs; bench sweeps set the graph batch
     sizes themselves: batch_sizes=False)."""
     p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="never use graphs (default: graphs on CUDA, eager on CPU)")
+                   help="never use graphs (default: graphs on CUDA; on the CPU eager, but `serve` with no "
+                        "speculation or a fixed k compiles its graphs in the background, --compile-in-background)")
     p.add_argument("--graph-mode", action="store_true",
                    help="compiled decode steps also on the CPU (faster decode; compiling at start-up: seconds with a "
                         "warm inductor cache, minutes cold)")

@@ -193,7 +193,8 @@ def test_bench_serve(ckpt, tmp_path):
     server = subprocess.Popen([sys.executable, "-m", "mtpserve.serve.openai_api", "--model", ckpt, "--port",
                                str(port), "--served-model-name", "tiny", "--speculative-config",
                                '{"method": "mtp", "num_speculative_tokens": 1, "adaptive": false}',
-                               "--max-num-seqs", "4", "--max-model-len", "128", "--num-kv-blocks", "64"],
+                               "--max-num-seqs", "4", "--max-model-len", "128", "--num-kv-blocks", "64",
+                               "--enforce-eager"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         try:

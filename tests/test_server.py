@@ -440,6 +440,24 @@ def test_serve_leaves_a_core_to_the_http_server(monkeypatch):
         assert args.cpu_threads == want, (cores, argv)
 
 
+def test_serve_compiles_graphs_in_the_background_by_default_where_that_starts_at_once():
+    """`mtpserve serve` on the CPU without --enforce-eager / --graph-mode: graph mode compiled in the background
+    for no speculation and a fixed k; adaptive k and several ranks stay eager; a flag given is kept."""
+    import argparse
+    from mtpserve.engine_args import engine_kwargs
+    from mtpserve.serve.server import add_serve_args, serving_graph_mode
+    fixed = '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}'
+    for argv, background in [([], True), (["--speculative-config", fixed], True),
+                             (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'], False),
+                             (["-tp", "2"], False), (["--enforce-eager"], False), (["--graph-mode"], False),
+                             (["--speculative-config", '{"method": "ngram"}'], True)]:
+        args = add_serve_args(argparse.ArgumentParser()).parse_args(["--device", "cpu", *argv])
+        kw = serving_graph_mode(engine_kwargs(args))
+        assert kw.get("compile_in_background", False) == background, argv
+        assert kw["enforce_eager"] is (False if background or "--graph-mode" in argv else
+                                       True if "--enforce-eager" in argv else None), argv
+
+
 # ---- logprobs, echo and every vLLM request field (the server runs MTP; the reference runs without) ----
 
 def offline_scores(ckpt, prompt: str, max_tokens: int, n: int):

@@ -125,13 +125,14 @@ class GraphRunner:
             logger.info("graph %s built in the background in %.1fs (%d built)", key, time.perf_counter() - start,
                         len(self.graphs))
 
-    def stop(self) -> None:
-        """Stops the compiler thread after the graph it is building (background mode)."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops the compiler thread after the graph it is building (background mode), waiting up to `timeout`
+        seconds (a daemon thread: the process may exit while it compiles)."""
         if self._compiler is not None:
             while not self._to_compile.empty():
                 self._to_compile.get_nowait()
             self._to_compile.put(None)
-            self._compiler.join()
+            self._compiler.join(timeout)
 
     def run(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
             output_index: list[int] | None = None, batch: int | None = None) -> torch.Tensor:
