@@ -154,8 +154,8 @@ def from_args(args) -> dict:
         model = models["data"][0]["id"]
     vocab, tokenizer = _server_vocab(args)
     prompts = common.make_prompts(args.num_prompts, args.input_len, vocab, tokenizer, seed=args.seed)
-    res = asyncio.run(run_clients(base, model, prompts, args.output_len, args.request_rate,
-                                        args.max_concurrency, not args.fixed_rate, args.api_key, args.seed))
+    res = asyncio.run(run_clients(base, model, prompts, args.output_len, args.request_rate, args.max_concurrency,
+                                  not args.fixed_rate, args.api_key, args.seed))
     res.update(base_url=base, served_model=model, request_rate=str(args.request_rate),
                arrivals="fixed" if args.fixed_rate else "poisson", max_concurrency=args.max_concurrency)
     print_serving(res)

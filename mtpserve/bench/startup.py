@@ -5,6 +5,7 @@ empty inductor cache (cold) and from the one the cold run left (warm).
 Each run is a server process; one client then sends batch-1 greedy completions back to back for --duration
 seconds. A row of the timeline: (seconds since the server was started, the request's output tokens/s).
 """
+import json
 import os
 import shutil
 import subprocess
@@ -14,10 +15,9 @@ import time
 
 from mtpserve.bench import common
 
+
 def run_startup(path: str, spec: dict, output_len: int, duration: float, timeout: float,
                 graph_batch_sizes: str | None, modes: list[str]) -> dict:
-    import json
-
     from mtpserve.distributed.launch import free_port
     from mtpserve.model.loader import load_tokenizer
     caches = {mode: tempfile.mkdtemp(prefix=f"mtpserve-inductor-{mode}-") for mode in modes}

@@ -55,7 +55,9 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
         raise ValueError(f"overlap: one process only ({launch.world_size} ranks asked for); turn it off for tensor "
                          "or data parallelism")
     if cfg.compile_in_background:
-        check_background_compile(cfg, device, launch.world_size)
+        why = background_compile_refusal(cfg.enforce_eager, device, launch.world_size, cfg.speculative)
+        if why is not None:
+            raise ValueError(f"compile_in_background: {why}")
     if launch.world_size > 1:
         check_devices(device.type, launch)
         with torch.device("meta"):   # a shard that does not divide is refused here, before any process starts
@@ -65,15 +67,20 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
                      lookahead, k + 1 + lookahead, launch, resolve_quantization(cfg.quantization, model_config))
 
 
-def check_background_compile(cfg: EngineConfig, device: torch.device, world_size: int) -> None:
-    """compile_in_background: one CPU process in graph mode, a fixed k (adaptive k times its graphs at start-up)."""
-    why = ("graph mode only (enforce_eager = False, --graph-mode)" if cfg.enforce_eager is not False else
-           f"one process only ({world_size} ranks: their graphs run collectives in step)" if world_size > 1 else
-           f"CPU only (device = {device.type!r}: CUDA graphs are captured at start-up)" if device.type != "cpu" else
-           "not with adaptive k (its start-up calibration times the graphs): set speculative_config "
-           "\"adaptive\": false" if cfg.speculative is not None and cfg.speculative.adaptive else None)
-    if why is not None:
-        raise ValueError(f"compile_in_background: {why}")
+def background_compile_refusal(enforce_eager: bool | None, device: torch.device, world_size: int,
+                               spec: SpeculativeConfig | None) -> str | None:
+    """Why graphs cannot be compiled in the background here (None: they can): that needs one CPU process in graph
+    mode and a fixed k (adaptive k times its graphs at start-up)."""
+    if enforce_eager is not False:
+        return "graph mode only (enforce_eager = False, --graph-mode)"
+    if world_size > 1:
+        return f"one process only ({world_size} ranks: their graphs run collectives in step)"
+    if device.type != "cpu":
+        return f"CPU only (device = {device.type!r}: CUDA graphs are captured at start-up)"
+    if spec is not None and spec.adaptive:
+        return ("not with adaptive k (its start-up calibration times the graphs): set speculative_config "
+                "\"adaptive\": false")
+    return None
 
 
 def int8_activation_dtype(asked: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

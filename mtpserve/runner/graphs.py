@@ -31,6 +31,7 @@ from mtpserve.runner.batch import Row
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
 
+
 @dataclass
 class StaticInputs:
     """A graph's input buffers, copied into before each run (batch B rows of q tokens)."""
@@ -88,16 +89,15 @@ class GraphRunner:
         return what != "main" and q > 1
 
     def fits(self, what: str, rows: list[Row], output_index: list[int] | None = None) -> bool:
-        """Rows fit a graph built at start-up: same query length everywhere and a batch size that pads to one
-        (a prefill batch of equal-length chunks does not: it runs eagerly, nothing is compiled mid-run)."""
+        """Rows fit a built graph: same query length everywhere, a batch size that pads to one, a shape start-up
+        builds (a prefill batch of equal-length chunks is not: it runs eagerly; nothing is compiled for it)."""
         q, size = len(rows[0].token_ids), self.padded_size(len(rows))
         return (size is not None and all(len(r.token_ids) == q for r in rows)
                 and all(len(r.block_ids) <= self.max_blocks for r in rows)
                 and self.indexed(what, q) == (output_index is not None) and self.ready((what, size, q)))
 
     def ready(self, key: tuple) -> bool:
-        """The graph (what, batch, query length) is built; in background mode a missing one of warm_up's shapes
-        is queued."""
+        """The graph (what, batch, query length) is built; background mode queues a missing one of warm_up's."""
         if key in self.graphs:
             return True
         if self.background and (key[0], key[2]) in self.shapes and key not in self._queued:
@@ -126,8 +126,7 @@ class GraphRunner:
                         len(self.graphs))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stops the compiler thread after the graph it is building (background mode), waiting up to `timeout`
-        seconds (a daemon thread: the process may exit while it compiles)."""
+        """Stops the compiler thread after the graph it builds, waiting `timeout` s at most (a daemon thread)."""
         if self._compiler is not None:
             while not self._to_compile.empty():
                 self._to_compile.get_nowait()
@@ -152,12 +151,14 @@ class GraphRunner:
         # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
         return out.clone() if self.cuda_graphs else out
 
-    def fits_fused(self, what: str, scheduled, k: int) -> bool:
-        """A fused step (spec_decode/fused.py: what is "fused" or "fused_sampled") was built for this batch
-        size, and the table covers the drafts' positions (up to 2k past the pending token)."""
-        size = self.padded_size(len(scheduled))
-        return ((not self.compiled or size is not None and self.ready((what, size, 1 + k)))
-                and all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled))
+    def covers_drafts(self, scheduled, k: int) -> bool:
+        """The block table reaches every position a fused step of k drafts writes (2k past the pending token)."""
+        return all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled)
+
+    def fused_ready(self, what: str, num_rows: int, k: int) -> bool:
+        """The fused step's graph ("fused" or "fused_sampled", spec_decode/fused.py) is built for this batch size."""
+        size = self.padded_size(num_rows)
+        return size is not None and self.ready((what, size, 1 + k))
 
     def run_fused(self, what: str, rows: list[Row], sampling: list[torch.Tensor] | None = None):
         """The fused step on decode rows of 1+k tokens -> (per row the emitted 1+k tokens, the accepted count

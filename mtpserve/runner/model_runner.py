@@ -93,7 +93,7 @@ class ModelRunner:
                                              [s.draft_token_ids for s in scheduled], self.model.config.vocab_size,
                                              self.generator, self.device)
         graphs = self.fused_graphs
-        steps = graphs if graphs is not None and graphs.fits_fused(what, scheduled, k) else self.fused_eager
+        steps = graphs if graphs is not None and graphs.fused_ready(what, len(scheduled), k) else self.fused_eager
         outs, probs = steps.run_fused(what, rows, sampling)
         results = []
         for i, out in enumerate(outs):

@@ -63,13 +63,12 @@ def serving_graph_mode(kwargs: dict) -> dict:
     the background when a step first needs it, where that starts at once (one process; no speculation or a
     fixed k). Adaptive k times its graphs at start-up, so it stays eager there, as `generate` and LLM do."""
     from mtpserve.config import SpeculativeConfig
-    from mtpserve.engine.setup import resolve_device_dtype
+    from mtpserve.engine.setup import background_compile_refusal, resolve_device_dtype
     if kwargs["enforce_eager"] is not None:
         return kwargs
     device, _ = resolve_device_dtype(kwargs["device"], kwargs["dtype"])
-    spec = SpeculativeConfig.from_dict(kwargs["speculative_config"])
-    one_process = kwargs["tensor_parallel_size"] * kwargs["data_parallel_size"] == 1
-    if device.type != "cpu" or not one_process or (spec is not None and spec.adaptive):
+    ranks = kwargs["tensor_parallel_size"] * kwargs["data_parallel_size"]
+    if background_compile_refusal(False, device, ranks, SpeculativeConfig.from_dict(kwargs["speculative_config"])):
         return kwargs
     return kwargs | dict(enforce_eager=False, compile_in_background=True)
 
