@@ -41,11 +41,28 @@ def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec, overlap, si
 
 def test_graph_mode_two_mtp_layers(ckpt2):
     """A checkpoint with two MTP layers, k=3: the fused step chains layer 1 for depth 2 and drafts depth 3
-    with layer 0 as eager does (the same acceptance at every position); the unfused steps run the chain
-    eagerly (no MTP graph of their own is built)."""
-    graph = check_graph_mode(ckpt2, {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}, [4])
-    assert {what for what, _, _ in graph.engine.runner.graphs.graphs} == {"main", "fused", "fused_sampled"}
+    with layer 0 as eager does (the same acceptance at every position). Steps of requests that process their
+    logits (penalties, logprobs) run apart, the chain's passes as graphs of their own: the same tokens and
+    logprobs as eager."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    graph = check_graph_mode(ckpt2, spec, [4])
+    graphs = graph.engine.runner.graphs
+    assert {what for what, _, _ in graphs.graphs} == {"main", "fused", "fused_sampled", "mtp0", "mtp1"}
     assert graph.get_metrics()["acceptance_rate"] > 0.3
+    passes = []
+    original = graphs.run
+    graphs.run = lambda what, *args, **kwargs: passes.append(what) or original(what, *args, **kwargs)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, repetition_penalty=1.3, logprobs=2)
+              for n in (14, 9, 5)]
+    eager = LLM(ckpt2, speculative_config=spec, enforce_eager=True)
+    want = eager.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params, use_tqdm=False)
+    got = graph.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [list(p) for p in g.outputs[0].logprobs] == [list(p) for p in w.outputs[0].logprobs]
+        assert [p[t].logprob for p, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)] == pytest.approx(
+            [p[t].logprob for p, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)], abs=1e-4)
+    assert {"main", "mtp0", "mtp1"} <= set(passes)
 
 
 def check_graph_mode(ckpt, spec, sizes, overlap=False):

@@ -82,11 +82,11 @@ class GraphRunner:
             return num_rows
         return next((b for b in self.batch_sizes if b >= num_rows), None)
 
-    @staticmethod
-    def indexed(what: str, q: int) -> bool:
+    def indexed(self, what: str, q: int) -> bool:
         """An MTP pass over 1+k tokens per row wants one output per row (at the accepted index): its graph
-        writes KV for every token but runs the layer for that token alone."""
-        return what != "main" and q > 1
+        writes KV for every token but runs the layer for that token alone. Own layers chained (one MTP cache
+        per layer) output every token: the next layer reads them all (spec_decode/mtp.py)."""
+        return what != "main" and q > 1 and len(self.mtp_caches) == 1
 
     def fits(self, what: str, rows: list[Row], output_index: list[int] | None = None) -> bool:
         """Rows fit a built graph: same query length everywhere, a batch size that pads to one, a shape start-up

@@ -52,11 +52,13 @@ class MTPProposer:
         return spec.num_speculative_tokens   # passes 1..k-1 write up to k-1 slots past the verified ones
 
     def graph_shapes(self) -> list[tuple[str, int]]:
-        """The unfused steps' graphs: the first pass over 1 + the drafts verified, at the accepted index (with
-        own layers chained it runs eagerly: the chain reads all its outputs), and one-token passes of layer 0
-        for the depths past the own layers."""
-        chained = self._chain_depth() > 1
-        first = [] if chained else [("mtp0", 1 + v) for v in self.spec.verified_draft_counts]
+        """The unfused steps' graphs: each own layer's pass over 1 + the drafts verified (one layer: at the
+        accepted index; chained: every output, GraphRunner.indexed; for a fixed k only, as adaptive k would add
+        a graph per layer and k: it runs them eagerly), and one-token passes of layer 0 for the depths past the
+        own layers."""
+        chained, verified = self._chain_depth() > 1, self.spec.verified_draft_counts
+        first = [(f"mtp{j}", 1 + v) for j in range(self._chain_depth()) for v in verified
+                 if not chained or len(verified) == 1]
         shared_depths = self.spec.num_speculative_tokens > self._chain_depth() + chained
         return first + ([("mtp0", 1)] if shared_depths else [])
 
@@ -150,7 +152,9 @@ class MTPProposer:
                     chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
                     prev_hidden = chain_hidden[[last[i] for i in drafting]]
                 elif j < k:   # the last own layer: its KV everywhere, its outputs only where a draft is read
-                    prev_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=last)[drafting]
+                    # (graph mode: every output, as the chain's graphs compute them)
+                    out = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=None if static else last)
+                    prev_hidden = (out[last] if static else out)[drafting]
                 else:   # not drafted at this depth this step: its KV only
                     self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=[])
             else:   # a shared layer: one token at the next position, fed the previous pass's last output
