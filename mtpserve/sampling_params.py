@@ -69,10 +69,9 @@ class SamplingParams:
                     or self.min_tokens or self.structured_outputs is not None)
 
     @property
-    def wants_logits(self) -> bool:
-        """Its steps need the target's logits on the host side (processors, min_p, logprobs): no fused step."""
-        return (self.processes_logits or self.min_p > 0 or self.logprobs is not None
-                or self.prompt_logprobs is not None)
+    def processes_on_host(self) -> bool:
+        """Its decode steps process the target's logits on the host side (processors, min_p): no fused step."""
+        return self.processes_logits or self.min_p > 0
 
     def validate(self) -> None:
         def bad(name, why):

@@ -86,6 +86,19 @@ def check_graph_mode(ckpt, spec, sizes, overlap=False):
         want = eager.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         got = graph.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # logprobs: read from the step's hidden states, in the fused step too (the same rows as eager)
+    fused_before = graph.engine.runner.pass_counts["fused"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 7, 4)]
+    want = eager.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params, use_tqdm=False)
+    got = graph.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for entry_g, entry_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            assert list(entry_g) == list(entry_w)
+            assert [lp.logprob for lp in entry_g.values()] == pytest.approx(
+                [lp.logprob for lp in entry_w.values()], abs=1e-4)
+    if spec is not None and spec.get("fused_graph_step", True):
+        assert graph.engine.runner.pass_counts["fused"] > fused_before
     assert runs["graph"] > 0
     assert counters["stats"]["unique_graphs"] == frames_after_warmup, "recompiled after warm-up"
     bm = graph.engine.block_manager

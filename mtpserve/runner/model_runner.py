@@ -94,14 +94,12 @@ class ModelRunner:
                                              self.generator, self.device)
         graphs = self.fused_graphs
         steps = graphs if graphs is not None and graphs.fused_ready(what, len(scheduled), k) else self.fused_eager
-        outs, probs = steps.run_fused(what, rows, sampling)
-        results = []
-        for i, out in enumerate(outs):
-            accepted = out[1 + k]
-            results.append(StepResult(out[:accepted + 1], num_drafts=k, num_accepted=accepted,
-                                      next_drafts=out[k + 2:] or None,
-                                      next_draft_probs=None if probs is None or not k else probs[i]))
-        return results
+        outs, probs, hidden = steps.run_fused(what, rows, sampling)
+        new_tokens = [out[:out[1 + k] + 1] for out in outs]
+        scores = logprobs.read(self.model, scheduled, hidden, [i * (1 + k) for i in range(len(outs))], new_tokens)
+        return [StepResult(tokens, num_drafts=k, num_accepted=len(tokens) - 1, next_drafts=out[k + 2:] or None,
+                           next_draft_probs=None if probs is None or not k else probs[i], **scored)
+                for i, (out, tokens, scored) in enumerate(zip(outs, new_tokens, scores))]
 
     @torch.inference_mode()
     def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (engine/scheduler.py)

@@ -34,10 +34,10 @@ from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: int, k_next: int,
                sampled: bool = False, draft_sampling: str = "greedy", verification: str = "token",
                chain_depth: int = 1, static: bool = True):
-    """Greedy: step(input_ids, positions, seq_lens, slot_mapping, block_tables) -> ids [batch, q + 1 + k_next]:
-    the target's argmax at the q positions, the accepted count, the next drafts. Sampled: the same five inputs,
-    then sampling_inputs(), -> (ids: the emitted tokens (-1 past the accepted ones), the accepted count, the
-    next drafts; the drafts' distributions [batch, k_next, V], or None for argmax drafts). Padding rows (KV
+    """step(input_ids, positions, seq_lens, slot_mapping, block_tables, then sampled: sampling_inputs()) ->
+    (ids [batch, q + 1 + k_next]: the emitted tokens (greedy: the target's argmax at the q positions; sampled:
+    -1 past the accepted ones), the accepted count, the next drafts; the drafts' distributions [batch, k_next,
+    V], or None for argmax drafts; the main model's hidden states [batch * q, H], logprobs read them). Padding rows (KV
     length 0, slot -1, greedy) compute garbage that the caller drops, and write no KV. chain_depth: the depths
     drafted by the checkpoint's own MTP layers, chained (spec_decode/mtp.py, MTPProposer._chain_depth). static:
     no host branch on values (compiled; eager mode runs it with host branches, sampling/sampler.py)."""
@@ -135,9 +135,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
             add_draft(0, out)
         drafted = torch.stack(next_drafts, dim=1) if next_drafts else emitted.new_zeros(batch, 0)
         ids = torch.cat([emitted, accepted.unsqueeze(1), drafted], dim=1)
-        if not sampled:
-            return ids
-        return ids, (torch.stack(next_probs, dim=1) if probabilistic and next_probs else None)
+        return ids, (torch.stack(next_probs, dim=1) if probabilistic and next_probs else None), hidden
 
     return step
 
@@ -181,6 +179,7 @@ def fused_graph(runner, scheduled) -> str | None:
 
 def _decodes(s, k: int) -> bool:
     """Request s runs a decode step a fused graph can take: its pending token and k drafts, neither handed
-    over nor held for a hand-off, nor reading its logits on the host (processors, logprobs: the separate path)."""
+    over nor held for a hand-off, nor processing its logits on the host (processors, min_p: the separate path;
+    logprobs are read from the hidden states the step returns)."""
     return (s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and not s.req.hold_kv
-            and s.req.mtp_prefix_hidden is None and not s.req.params.wants_logits)
+            and s.req.mtp_prefix_hidden is None and not s.req.params.processes_on_host)
