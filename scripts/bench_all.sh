@@ -33,6 +33,8 @@ $B quantization --k 2 --batch-sizes 1,8 --input-len 32 --output-len 64 --num-ite
   --output-json $R/quantization.json
 $B sampling --k 2 --batch-sizes 1,16 --input-len 32 --output-len 64 --num-iters 2 --threads 1 --enforce-eager \
   --output-json $R/sampling.json
+$B sampling --k 2 --batch-sizes 1,16 --input-len 32 --output-len 64 --num-iters 2 --threads 1 --graph-mode \
+  --output-json $R/sampling_graph.json
 $B prefix --threads 1 --output-json $R/prefix.json
 # Serving by concurrency, without and with MTP
 for spec in none mtp_k2; do

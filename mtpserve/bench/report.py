@@ -231,12 +231,16 @@ def _serve(recs, plot_dir, page_dir) -> list[str]:
 
 def _sampling(recs, plot_dir, page_dir) -> list[str]:
     from mtpserve.bench import sampling
-    rows = recs[0][1]["results"]["rows"]
-    same = all(r["same_tokens_as_no_mtp"] for r in rows)
-    return sampling.table(recs[0][1]["results"]) + ["", "What it says: MTP speedup per request feature "
-                                                    f"{min(r['mtp_speedup'] for r in rows):.2f}-"
-                                                    f"{max(r['mtp_speedup'] for r in rows):.2f}x; the same tokens "
-                                                    f"with and without MTP in every row: {'yes' if same else 'NO'}."]
+    out = []
+    for _, rec in recs:   # (eager first, then graph mode)
+        rows = rec["results"]["rows"]
+        same = all(r["same_tokens_as_no_mtp"] for r in rows)
+        mode = "eager" if rec["results"].get("enforce_eager", True) else "graph mode"
+        out += [f"**{mode}**", ""] + sampling.table(rec["results"]) + [
+            "", f"What it says ({mode}): MTP speedup per request feature {min(r['mtp_speedup'] for r in rows):.2f}-"
+                f"{max(r['mtp_speedup'] for r in rows):.2f}x; the same tokens with and without MTP in every row: "
+                f"{'yes' if same else 'NO'}.", ""]
+    return out[:-1]
 
 
 def _prefix(recs, plot_dir, page_dir) -> list[str]:
