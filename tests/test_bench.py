@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from mtpserve.bench import common, serve
+from mtpserve.bench import common, report, serve
 from mtpserve.cli import main
 from mtpserve.model.checkpoint import write_random_checkpoint
 
@@ -83,7 +83,7 @@ def test_bench_latency_eager_and_graph_side_by_side(ckpt, tmp_path):
     """--modes eager,graph: one engine per (mode, k), the graph-over-eager ratios, vllm-ascend's graph table. (The
     separate graphs: the fused step's two, greedy and sampled, would double the compile time of a test of the
     bench tool; tests/test_graphs.py tests the fused step.)"""
-    from mtpserve.bench import report, report_tables
+    from mtpserve.bench import report_tables
     rec = run_cli(["bench", "latency", "--model", ckpt, "--ks", "0,1", "--modes", "eager,graph", "--input-len", "5",
                    "--output-len", "6", "--num-iters", "1", "--speculative-config",
                    '{"method": "mtp", "fused_graph_step": false}'], tmp_path / "modes.json")
@@ -157,6 +157,11 @@ def test_bench_sampling(ckpt, tmp_path):
         (b, f, e) for b in (1, 2) for f in ("none", "logprobs5", "penalties") for e in ("no_mtp", "mtp_k1")}
     # (no tokenizer in this checkpoint: no json_schema set)
     assert all(r["same_tokens_as_no_mtp"] and r["tpot_ms"] > 0 for r in rows)
+    page = tmp_path / "page.md"
+    report.write_report([str(tmp_path / "sampling.json")], str(page), str(tmp_path / "plots"))
+    text = page.read_text()
+    assert "## Request features with MTP" in text and "**eager**" in text
+    assert "What it says (eager): MTP speedup per request feature" in text and "in every row: yes" in text
 
 
 def test_bench_overlap(ckpt, tmp_path):

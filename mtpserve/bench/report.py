@@ -235,7 +235,7 @@ def _sampling(recs, plot_dir, page_dir) -> list[str]:
     for _, rec in recs:   # (eager first, then graph mode)
         rows = rec["results"]["rows"]
         same = all(r["same_tokens_as_no_mtp"] for r in rows)
-        mode = "eager" if rec["results"].get("enforce_eager", True) else "graph mode"
+        mode = "graph mode" if rec["results"].get("enforce_eager") is False else "eager"
         out += [f"**{mode}**", ""] + sampling.table(rec["results"]) + [
             "", f"What it says ({mode}): MTP speedup per request feature {min(r['mtp_speedup'] for r in rows):.2f}-"
                 f"{max(r['mtp_speedup'] for r in rows):.2f}x; the same tokens with and without MTP in every row: "
