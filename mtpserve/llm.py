@@ -4,7 +4,7 @@ import itertools
 from tqdm import tqdm
 
 from mtpserve.engine.engine import LLMEngine
-from mtpserve.engine.request import RequestOutput
+from mtpserve.request import RequestOutput
 from mtpserve.sampling_params import SamplingParams
 
 

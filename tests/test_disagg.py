@@ -3,7 +3,7 @@ decoded on another gives exactly what one engine gives, and both engines end wit
 import pytest
 
 from mtpserve import SamplingParams
-from mtpserve.engine.disagg import add_prefilled, prefill
+from mtpserve.disagg.offline import add_prefilled, prefill
 from mtpserve.engine.engine import LLMEngine
 from tiny_models import pattern_batch, trained_checkpoint
 

@@ -200,7 +200,8 @@ def test_decodes_and_prompt_chunks_attend_apart_exactly(paged_model, split):
     """A step mixing a decode row with a prompt chunk longer than ABSORB_MAX_QUERY_LEN: the engine's batch
     (build_batch) attends the two kinds apart (absorbed for the decode, expanded for the chunk); logits equal
     the dense pass over each whole sequence, split or not."""
-    from mtpserve.runner.batch import Row, build_batch
+    from mtpserve.runner.batch import build_batch
+    from mtpserve.step import Row
     model = paged_model
     lengths = (14, 12)
     gen = torch.Generator().manual_seed(21)

@@ -155,7 +155,7 @@ def test_sampling_lossless_with_overlap(tmp_path_factory):
 def test_overlap_refused_across_processes_and_with_disaggregation(ckpt):
     with pytest.raises(ValueError, match="overlap"):
         LLMEngine.from_kwargs(ckpt, overlap=True, tensor_parallel_size=2)
-    from mtpserve.engine.disagg import single_process
+    from mtpserve.disagg.offline import single_process
     engine = LLMEngine.from_kwargs(ckpt, speculative_config=SPEC, overlap=True)
     with pytest.raises(ValueError, match="overlap"):
         single_process(engine)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from mtpserve.engine.async_engine import AsyncEngine, EngineError, QueueFullError
-from mtpserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+from mtpserve.request import CompletionOutput, RequestMetrics, RequestOutput
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.distributed.launch import free_port
 from mtpserve.serve.protocol import APIError

@@ -265,7 +265,8 @@ def test_fused_sampled_graph_step_is_lossless(tmp_path_factory, monkeypatch, spe
 def test_mtp_output_index_equals_full_pass(random_ckpt):
     """The drafting pass computes attention and MoE only for the wanted token of each request; its outputs and
     the MTP KV it writes equal the full pass's."""
-    from mtpserve.runner.batch import Row, build_batch
+    from mtpserve.runner.batch import build_batch
+    from mtpserve.step import Row
     model = load_model(random_ckpt)
     dim = model.config.kv_cache_dim
     rows = [Row([3, 4, 5, 6], 0, [0, 1]), Row([7, 8], 5, [2, 3]), Row([9], 2, [4])]

@@ -7,7 +7,7 @@ import time
 from mtpserve.bench import common
 from mtpserve.bench.latency import ENGINE_DEFAULTS
 from mtpserve.disagg.handoff import import_handoff
-from mtpserve.engine.disagg import prefill
+from mtpserve.disagg.offline import prefill
 from mtpserve.engine.engine import LLMEngine
 from mtpserve.sampling_params import SamplingParams
 

@@ -67,7 +67,7 @@ class KVTransferConfig:
 
 class KVConnector:
     def __init__(self, config: KVTransferConfig, async_engine):
-        from mtpserve.engine.disagg import single_process
+        from mtpserve.disagg.offline import single_process
         single_process(async_engine.engine)
         self.config, self.async_engine = config, async_engine
         self.pulls, self.pull_seconds, self.pull_bytes = 0, 0.0, 0   # decode side, cumulative

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtpserve.engine.detokenizer import detokenize_incrementally
-from mtpserve.engine.request import Request
+from mtpserve.request import Request
 from mtpserve.sampling_params import SamplingParams
 
 SCHEMES = ("drafts", "hidden")

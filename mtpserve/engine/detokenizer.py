@@ -1,6 +1,6 @@
 """Incremental detokenization: only the newest tokens are decoded each step, with a few tokens of
 left context so that multi-byte characters and leading spaces come out right."""
-from mtpserve.engine.request import Request
+from mtpserve.request import Request
 
 CONTEXT_TOKENS = 5
 

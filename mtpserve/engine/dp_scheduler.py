@@ -5,8 +5,9 @@ request on the rank with the least load (waiting + running requests), or where t
 step schedules every scheduler, and the executor hands each rank its part (idle ranks run dummy forwards).
 """
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.engine.request import Request
-from mtpserve.engine.scheduler import ScheduledRequest, Scheduler
+from mtpserve.request import Request
+from mtpserve.engine.scheduler import Scheduler
+from mtpserve.step import ScheduledRequest
 
 
 class DataParallelScheduler:

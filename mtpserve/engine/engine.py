@@ -9,7 +9,7 @@ from mtpserve.engine.outputs import logprob_dicts, request_output, take_prompt_l
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
 from mtpserve.engine.flight import Flight, snapshot
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.engine.request import Request, RequestOutput, request_seed
+from mtpserve.request import Request, RequestOutput, request_seed
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor

@@ -4,7 +4,7 @@ import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from mtpserve.engine.scheduler import ScheduledRequest
+from mtpserve.step import ScheduledRequest
 
 
 @dataclass

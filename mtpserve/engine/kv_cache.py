@@ -18,7 +18,7 @@ Blocks are reference-counted; a block nobody holds keeps its KV and its hash unt
 """
 from collections import OrderedDict, deque
 
-from mtpserve.engine.request import Request
+from mtpserve.request import Request
 
 
 class BlockManager:

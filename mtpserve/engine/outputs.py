@@ -1,5 +1,5 @@
 """From a step's results to what callers get: logprobs taken into the request, RequestOutputs built."""
-from mtpserve.engine.request import CompletionOutput, Logprob, Request, RequestOutput
+from mtpserve.request import CompletionOutput, Logprob, Request, RequestOutput
 
 
 def logprob_dicts(entries: list, tokenizer) -> list[dict[int, Logprob]]:

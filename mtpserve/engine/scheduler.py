@@ -6,27 +6,10 @@ request with drafts is scheduled with 1 + k query tokens (its pending token and 
 blocks run out, the newest running request is preempted: its blocks are freed and it is recomputed later.
 """
 from collections import deque
-from dataclasses import dataclass
 
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    req: Request
-    start: int                   # position of the first query token (= tokens already in the KV cache)
-    num_new_tokens: int          # known tokens computed this step (a prompt chunk, or the pending token)
-    draft_token_ids: list[int]   # drafts verified after them (only when the request samples this step)
-    num_next_drafts: int = 0     # drafts to propose for its next step (the engine's policy sets it: plan_drafts)
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_new_tokens == self.req.num_tokens
-
-    @property
-    def num_query_tokens(self) -> int:
-        return self.num_new_tokens + len(self.draft_token_ids)
+from mtpserve.request import Request, RequestStatus
+from mtpserve.step import ScheduledRequest
 
 
 class Scheduler:

@@ -2,7 +2,7 @@
 schedule needs them); stop strings as the tokens are detokenised, which with overlap happens while the next step
 runs. Both go token by token, so a stop ends the request at the token that completes it."""
 from mtpserve.engine.detokenizer import detokenize_incrementally
-from mtpserve.engine.request import Request
+from mtpserve.request import Request
 
 
 def take_tokens(req: Request, tokens: list[int], eos_token_ids: set[int]) -> tuple[int, str | None]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mtpserve.engine.request import Request, request_seed
-from mtpserve.engine.scheduler import ScheduledRequest
+from mtpserve.request import Request, request_seed
+from mtpserve.step import ScheduledRequest
 from mtpserve.sampling.grammar import GrammarState
 
 

@@ -1,40 +1,8 @@
-"""The flat varlen batch: query tokens of all rows concatenated, plus the attention metadata; a step's result per
-request."""
-from dataclasses import dataclass
-
+"""The flat varlen batch: query tokens of all rows concatenated, plus the attention metadata."""
 import torch
 
 from mtpserve.model.attention import ABSORB_MAX_QUERY_LEN, AttentionMetadata
-
-
-@dataclass
-class StepResult:
-    """What a step did for one request (the runner's output; the engine commits it)."""
-    new_token_ids: list[int]                 # accepted drafts, then one token from the target model
-    num_drafts: int = 0                      # drafts verified this step
-    num_accepted: int = 0
-    next_drafts: list[int] | None = None
-    next_draft_probs: torch.Tensor | None = None
-    last_hidden: torch.Tensor | None = None  # the sampled position's hidden state (requests that hold their KV)
-    logprobs: list | None = None             # per new token [(token, logprob, rank), top...] (sampling/logprobs.py)
-    prompt_logprobs: list | None = None      # the same for prompt tokens prompt_logprobs_start.. of this chunk
-    prompt_logprobs_start: int = 0
-
-
-@dataclass
-class Row:
-    """Consecutive query tokens of one request, starting at `start`; `block_ids` is its block table.
-    num_kept: only the first num_kept tokens' KV is kept (the rest pad the row to a graph's shape: slot -1)."""
-    token_ids: list[int]
-    start: int
-    block_ids: list[int]
-    num_kept: int | None = None
-
-    def slots(self, block_size: int) -> list[int]:
-        """Cache slot (block * block_size + offset) of each of the row's tokens; -1 for padding tokens."""
-        kept = len(self.token_ids) if self.num_kept is None else self.num_kept
-        return [self.block_ids[p // block_size] * block_size + p % block_size
-                for p in range(self.start, self.start + kept)] + [-1] * (len(self.token_ids) - kept)
+from mtpserve.step import Row
 
 
 def build_batch(rows: list[Row], block_size: int, device, split: bool = True

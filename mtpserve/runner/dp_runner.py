@@ -9,7 +9,7 @@ The fused decode step is not used: its MTP passes would not be agreed one by one
 """
 import torch
 
-from mtpserve.runner.batch import Row, StepResult
+from mtpserve.step import Row, StepResult
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.model_runner import ModelRunner
 

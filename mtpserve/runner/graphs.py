@@ -26,7 +26,7 @@ import torch
 import torch._dynamo
 
 from mtpserve.model.attention import AttentionMetadata
-from mtpserve.runner.batch import Row
+from mtpserve.step import Row
 
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background

@@ -5,13 +5,14 @@ from collections import Counter
 import torch
 
 from mtpserve.config import SpeculativeConfig
-from mtpserve.runner.batch import Row, StepResult, build_batch
+from mtpserve.runner.batch import build_batch
 from mtpserve.runner.graphs import GraphRunner
 from mtpserve.sampling import logprobs, processors
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode import fused
 from mtpserve.spec_decode.proposer import make_proposer, proposer_class
 from mtpserve.spec_decode.verifier import Verifier
+from mtpserve.step import Row, StepResult
 
 
 def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
@@ -102,7 +103,7 @@ class ModelRunner:
                 for i, (out, tokens, scored) in enumerate(zip(outs, new_tokens, scores))]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (engine/scheduler.py)
+    def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (step.py)
         fused_what = fused.fused_graph(self, scheduled)
         if fused_what is not None:
             return self._fused_step(fused_what, scheduled)

@@ -169,9 +169,9 @@ def build_app(engine, served_model_name, api_key: str | None = None, max_model_l
         request_id = responses.new_id("chatcmpl" if chat else "cmpl")
         disagg = None
         if req.kv_transfer_params is not None:
-            from mtpserve.disagg import serving
-            disagg = await serving.prepare(kv_connector, req.kv_transfer_params, req, prompts, params,
-                                           lambda n: generation.make_params(req, n, max_model_len, chat))
+            from mtpserve.serve import kv_transfer
+            disagg = await kv_transfer.prepare(kv_connector, req.kv_transfer_params, req, prompts, params,
+                                               lambda n: generation.make_params(req, n, max_model_len, chat))
             prompts, params = disagg.prompts, disagg.params
         try:
             streams = await generation.start_requests(engine, request_id, prompts, params,

@@ -16,7 +16,7 @@ resumes. Slots written past the accepted length are never read before being over
 """
 import torch
 
-from mtpserve.runner.batch import Row
+from mtpserve.step import Row
 from mtpserve.sampling import processors
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 

@@ -2,7 +2,7 @@
 
 `prefill` runs a request on one engine until its first token (with the MTP prefill and the first drafts) and
 returns the hand-off; `add_prefilled` continues it on another. Between servers the same hand-off travels over
-a KV connector (mtpserve/disagg/).
+a KV connector (connector.py).
 """
 from mtpserve.disagg.handoff import Handoff, export_handoff, import_handoff
 from mtpserve.engine.engine import LLMEngine

@@ -1,0 +1,60 @@
+"""A step's data, flowing one way: the scheduler's plan for each request (ScheduledRequest), the rows the model
+runs (Row), what the runner returns for each request (StepResult), which the engine commits.
+
+Request "a" at 5, pending t5, drafts [d6, d7]:
+    ScheduledRequest(a, start=5, num_new_tokens=1, draft_token_ids=[d6, d7], num_next_drafts=2)
+    Row([t5, d6, d7], start=5, block_ids)            (positions 5, 6, 7)
+    StepResult([d6, e7], num_drafts=2, num_accepted=1, next_drafts=[d8, d9])
+"""
+from dataclasses import dataclass
+
+import torch
+
+from mtpserve.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    start: int                   # position of the first query token (= tokens already in the KV cache)
+    num_new_tokens: int          # known tokens computed this step (a prompt chunk, or the pending token)
+    draft_token_ids: list[int]   # drafts verified after them (only when the request samples this step)
+    num_next_drafts: int = 0     # drafts to propose for its next step (the engine's policy sets it: plan_drafts)
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_new_tokens == self.req.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_new_tokens + len(self.draft_token_ids)
+
+
+@dataclass
+class Row:
+    """Consecutive query tokens of one request, starting at `start`; `block_ids` is its block table.
+    num_kept: only the first num_kept tokens' KV is kept (the rest pad the row to a graph's shape: slot -1)."""
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    num_kept: int | None = None
+
+    def slots(self, block_size: int) -> list[int]:
+        """Cache slot (block * block_size + offset) of each of the row's tokens; -1 for padding tokens."""
+        kept = len(self.token_ids) if self.num_kept is None else self.num_kept
+        return [self.block_ids[p // block_size] * block_size + p % block_size
+                for p in range(self.start, self.start + kept)] + [-1] * (len(self.token_ids) - kept)
+
+
+@dataclass
+class StepResult:
+    """What a step did for one request (the runner's output; the engine commits it)."""
+    new_token_ids: list[int]                 # accepted drafts, then one token from the target model
+    num_drafts: int = 0                      # drafts verified this step
+    num_accepted: int = 0
+    next_drafts: list[int] | None = None
+    next_draft_probs: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None  # the sampled position's hidden state (requests that hold their KV)
+    logprobs: list | None = None             # per new token [(token, logprob, rank), top...] (sampling/logprobs.py)
+    prompt_logprobs: list | None = None      # the same for prompt tokens prompt_logprobs_start.. of this chunk
+    prompt_logprobs_start: int = 0
