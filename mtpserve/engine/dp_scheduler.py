@@ -5,8 +5,8 @@ request on the rank with the least load (waiting + running requests), or where t
 step schedules every scheduler, and the executor hands each rank its part (idle ranks run dummy forwards).
 """
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.request import Request
 from mtpserve.engine.scheduler import Scheduler
+from mtpserve.request import Request
 from mtpserve.step import ScheduledRequest
 
 

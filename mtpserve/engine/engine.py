@@ -5,16 +5,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from mtpserve.config import EngineConfig, eos_token_ids
 from mtpserve.engine import stats, stops, validation
-from mtpserve.engine.outputs import logprob_dicts, request_output, take_prompt_logprobs
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
 from mtpserve.engine.flight import Flight, snapshot
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.request import Request, RequestOutput, request_seed
+from mtpserve.engine.outputs import logprob_dicts, request_output, take_prompt_logprobs
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
 from mtpserve.executor.uniproc import UniProcExecutor
 from mtpserve.model.loader import load_tokenizer
+from mtpserve.request import Request, RequestOutput, request_seed
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.spec_decode import adaptive, calibration
 from mtpserve.spec_decode.metrics import SpecDecodeMetrics

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from mtpserve.request import Request, request_seed
-from mtpserve.step import ScheduledRequest
 from mtpserve.sampling.grammar import GrammarState
+from mtpserve.step import ScheduledRequest
 
 
 @dataclass

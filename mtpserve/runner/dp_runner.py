@@ -9,9 +9,9 @@ The fused decode step is not used: its MTP passes would not be agreed one by one
 """
 import torch
 
-from mtpserve.step import Row, StepResult
 from mtpserve.runner.dp_sync import DataParallelSync
 from mtpserve.runner.model_runner import ModelRunner
+from mtpserve.step import Row, StepResult
 
 
 class DataParallelRunner(ModelRunner):

@@ -163,9 +163,8 @@ class GraphRunner:
     def run_fused(self, what: str, rows: list[Row], sampling: list[torch.Tensor] | None = None):
         """The fused step on decode rows of 1+k tokens -> (per row the emitted 1+k tokens, the accepted count
         and k next drafts (one host sync); the drafts' distributions [rows, k, V] or None; the main model's
-        hidden states [rows * (1+k), H]). sampling: the
-        sampled step's further inputs (fused.sampling_inputs, the leading ones of the buffers), one row per
-        request."""
+        hidden states [rows * (1+k), H]). sampling: the sampled step's further inputs (fused.sampling_inputs,
+        the leading ones of the buffers), one row per request."""
         n, q = len(rows), len(rows[0].token_ids)
         fn, buf = self._graph(what, self.padded_size(n), q)
         inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + 2 * q - 1))
@@ -174,8 +173,8 @@ class GraphRunner:
                 target[:n].copy_(value)
             sampling = buf.sampling
         ids, probs, hidden = fn(*inputs[:5], *(sampling or []))
-        copy = (lambda t: t.clone()) if self.cuda_graphs else (lambda t: t)   # (replays overwrite CUDA outputs)
-        return ids[:n].tolist(), None if probs is None else probs[:n].clone(), copy(hidden[:n * q])
+        hidden = hidden[:n * q].clone() if self.cuda_graphs else hidden[:n * q]   # (as run's output)
+        return ids[:n].tolist(), None if probs is None else probs[:n].clone(), hidden
 
     def _load(self, buf: StaticInputs | None, rows: list[Row], q: int, bucket: int) -> list:
         """Copies the rows into the static buffers; returns the graph's first five inputs (eager: fresh

@@ -16,9 +16,9 @@ resumes. Slots written past the accepted length are never read before being over
 """
 import torch
 
-from mtpserve.step import Row
 from mtpserve.sampling import processors
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
+from mtpserve.step import Row
 
 
 def decode_exact_depth(k: int, chain_depth: int) -> int:

@@ -3,10 +3,10 @@ request is greedy, else token-wise / block / coupled verification (spec_decode/v
 distributions with each request's draws (sampling/sampler.py), or the lossy synthetic-acceptance mode."""
 import torch
 
-from mtpserve.step import StepResult
 from mtpserve.sampling import processors
 from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
+from mtpserve.step import StepResult
 
 
 def stack_draft_probs(reqs, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
