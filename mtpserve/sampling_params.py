@@ -68,11 +68,6 @@ class SamplingParams:
                     or self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
                     or self.min_tokens or self.structured_outputs is not None)
 
-    @property
-    def processes_on_host(self) -> bool:
-        """Its decode steps process the target's logits on the host side (processors, min_p): no fused step."""
-        return self.processes_logits or self.min_p > 0
-
     def validate(self) -> None:
         def bad(name, why):
             raise ValueError(f"{name} = {getattr(self, name)!r}: {why}")

@@ -15,7 +15,7 @@ from tiny_models import trained_checkpoint
 PROMPTS = [[5, 8, 11], [20, 21, 22, 23, 24, 25, 26], [30, 32], [2, 5, 8, 11, 14], [40, 41], [9, 12, 15]]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in [16, 10, 4, 12, 6, 3]]
 # seeded sampling (the same tokens with or without speculation, in graphs or eagerly) beside a greedy request
-SAMPLED = [SamplingParams(temperature=1.5, top_p=0.95, max_tokens=16, ignore_eos=True, seed=7),
+SAMPLED = [SamplingParams(temperature=1.5, top_p=0.95, min_p=0.05, max_tokens=16, ignore_eos=True, seed=7),
            SamplingParams(temperature=2.0, top_k=20, max_tokens=12, ignore_eos=True, seed=3),
            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
 

@@ -187,3 +187,19 @@ def test_sampled_processors_follow_the_processed_distribution(tmp_path, spec):
     assert_follows(outs, joint)
     m = llm.get_metrics()
     assert m["num_accepted_tokens"] > 100 and m["acceptance_rate"] < 1.0   # both accept and reject paths taken
+
+
+def test_min_p_keeps_the_fused_step_and_its_distribution(tmp_path):
+    """min_p alone is a sampling field, not a processor: its steps stay in the fused decode step, and the output
+    follows the closed form (temperature, then min_p)."""
+    path = peaked_checkpoint(tmp_path, vocab_size=6, eos_token_id=None, bos_token_id=None)
+    prompt = [1, 4, 2]
+    params = SamplingParams(temperature=1.3, max_tokens=2, ignore_eos=True, min_p=0.15, logit_bias={})
+    joint = reference_joint(path, prompt, params, 2)
+    assert sum(p == 0.0 for p in joint.values()) > 0   # (min_p drops some sequences here)
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 1, "adaptive": False}, max_num_seqs=512,
+              max_num_batched_tokens=4096, seed=11)
+    outs = llm.generate(prompt_token_ids=[prompt] * 3000, sampling_params=params, use_tqdm=False)
+    assert_follows(outs, joint)
+    assert llm.engine.runner.pass_counts["fused_sampled"] > 0
+

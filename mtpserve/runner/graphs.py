@@ -278,10 +278,11 @@ class GraphRunner:
 
     def _sampling_buffers(self, batch: int, k: int) -> list[torch.Tensor]:
         """The sampled fused step's further inputs, initially what the warm-up's padding rows run with: greedy,
-        noise 1, uniform 0."""
+        no min_p, noise 1, uniform 0."""
         dev, vocab = self.device, self.model.config.vocab_size
         return [torch.zeros(batch, device=dev), torch.zeros(batch, dtype=torch.long, device=dev),
-                torch.ones(batch, device=dev), torch.ones(batch, 2 * k + 1, vocab, device=dev),
+                torch.ones(batch, device=dev), torch.zeros(batch, device=dev),
+                torch.ones(batch, 2 * k + 1, vocab, device=dev),
                 torch.zeros(batch, k, device=dev), torch.zeros(batch, dtype=torch.bool, device=dev),
                 torch.zeros(batch, k, vocab, device=dev)]
 

@@ -12,18 +12,18 @@ MIN_TEMPERATURE = 1e-5
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor, static: bool = False, min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [M, V]; per-row temperature (0 = greedy), top_k (<= 0 = off), top_p, min_p (None: off) -> probs
-    [M, V] (fp32). Each row's distribution depends on its own parameters only. static: no host branch on the
-    values (inside a compiled graph: the top-k/top-p filter is a graph conditional, greedy rows picked by a
-    select; no min_p). min_p acts on the tempered distribution before top-k/top-p, as in vLLM."""
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None, static: bool = False) -> torch.Tensor:
+    """logits [M, V]; per-row temperature (0 = greedy), top_k (<= 0 = off), top_p, min_p (0 or None: off) ->
+    probs [M, V] (fp32). Each row's distribution depends on its own parameters only. static: no host branch on
+    the values (inside a compiled graph: the top-k/top-p filter is a graph conditional, greedy rows picked by a
+    select). min_p acts on the tempered distribution before top-k/top-p, as in vLLM."""
     logits = logits.float()
     greedy = temperature == 0
     if not static and bool(greedy.all()):
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     # (a temperature below 1e-5 samples like greedy, and dividing by it could overflow float32 to inf - inf = NaN)
     scaled = logits / torch.where(greedy, 1.0, temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(-1)
-    if min_p is not None and bool((min_p > 0).any()):   # p < min_p * p_max  <=>  logit < max + log(min_p)
+    if min_p is not None and (static or bool((min_p > 0).any())):   # p < min_p * p_max <=> logit < max + log(min_p)
         floor = scaled.max(-1, keepdim=True).values + min_p.clamp_min(1e-30).log().unsqueeze(-1)
         scaled = scaled.masked_fill((scaled < floor) & (min_p > 0).unsqueeze(-1), float("-inf"))
     filtered = (top_k > 0) | (top_p < 1)
@@ -147,17 +147,14 @@ def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def request_probs(logits: torch.Tensor, reqs, repeats: list[int] | None, device) -> torch.Tensor:
     """The distributions of reqs' rows (request i repeated repeats[i] times) under their sampling parameters
     (the target's, and the MTP head's when drafts are sampled); logits already processed (processors.py)."""
-    min_p = None
-    if any(r.params.min_p for r in reqs):
-        min_p = torch.tensor([float(r.params.min_p) for r, n in zip(reqs, repeats or [1] * len(reqs))
-                              for _ in range(n)], device=device)
-    return logits_to_probs(logits, *sampling_tensors(reqs, repeats, device), min_p=min_p)
+    return logits_to_probs(logits, *sampling_tensors(reqs, repeats, device))
 
 
 def sampling_tensors(reqs, repeats: list[int] | None = None, device="cpu"):
-    """Per-row temperature, top_k, top_p (request i repeated repeats[i] times)."""
+    """Per-row temperature, top_k, top_p, min_p (request i repeated repeats[i] times)."""
     reps = repeats or [1] * len(reqs)
-    temperature = torch.tensor([float(r.params.temperature) for r, n in zip(reqs, reps) for _ in range(n)])
-    top_k = torch.tensor([int(r.params.top_k) for r, n in zip(reqs, reps) for _ in range(n)])
-    top_p = torch.tensor([float(r.params.top_p) for r, n in zip(reqs, reps) for _ in range(n)])
-    return temperature.to(device), top_k.to(device), top_p.to(device)
+    rows = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
+    return (torch.tensor([float(p.temperature) for p in rows], device=device),
+            torch.tensor([int(p.top_k) for p in rows], device=device),
+            torch.tensor([float(p.top_p) for p in rows], device=device),
+            torch.tensor([float(p.min_p) for p in rows], device=device))

@@ -70,7 +70,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
                                  max_seq_len)
 
     def step(input_ids, positions, seq_lens, slot_mapping, block_tables, temperature=None, top_k=None, top_p=None,
-             noise=None, uniforms=None, coupled=None, draft_probs=None):
+             min_p=None, noise=None, uniforms=None, coupled=None, draft_probs=None):
         max_seq_len = block_tables.shape[1] * block_size
         meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
         hidden = model(input_ids, positions, meta, main_caches)
@@ -81,7 +81,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
             emitted = logits.argmax(-1).view(batch, q)
             accepted = (drafts == emitted[:, :q - 1]).long().cumprod(-1).sum(-1)
         else:
-            params = (temperature, top_k, top_p)
+            params = (temperature, top_k, top_p, min_p)
             per_token = [t.repeat_interleave(q) for t in params]
             target = logits_to_probs(logits, *per_token, static=static).view(batch, q, -1)
             if probabilistic:
@@ -141,7 +141,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
 
 
 def sampling_inputs(spec, reqs, drafts: list[list[int]], vocab_size: int, generator, device) -> list[torch.Tensor]:
-    """The sampled fused step's inputs after the first five: per request temperature, top_k, top_p; Exp(1) noise
+    """The sampled fused step's inputs after the first five: per request temperature, top_k, top_p, min_p; Exp(1) noise
     [B, 2k+1, V] for the positions from the pending token on; with sampled drafts also a uniform per draft
     [B, k], which rows verify by coupling [B] and the drafts' distributions [B, k, V]; with argmax drafts none of
     these under token-wise verification (every row coupled), the uniforms and the coupled rows under block
@@ -179,7 +179,7 @@ def fused_graph(runner, scheduled) -> str | None:
 
 def _decodes(s, k: int) -> bool:
     """Request s runs a decode step a fused graph can take: its pending token and k drafts, neither handed
-    over nor held for a hand-off, nor processing its logits on the host (processors, min_p: the separate path;
+    over nor held for a hand-off, nor processing its logits on the host (processors: the separate path;
     logprobs are read from the hidden states the step returns)."""
     return (s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and not s.req.hold_kv
-            and s.req.mtp_prefix_hidden is None and not s.req.params.processes_on_host)
+            and s.req.mtp_prefix_hidden is None and not s.req.params.processes_logits)
