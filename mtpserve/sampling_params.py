@@ -64,8 +64,17 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Some logits processor acts on this request's distributions (sampling/processors.py)."""
-        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
-                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+        return self.penalizes or self.processes_on_host
+
+    @property
+    def penalizes(self) -> bool:
+        """Repetition, frequency or presence penalties (the fused decode step applies them too)."""
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty)
+
+    @property
+    def processes_on_host(self) -> bool:
+        """Processors only the host applies, row by row: its decode steps take the separate path."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
                     or self.min_tokens or self.structured_outputs is not None)
 
     def validate(self) -> None:

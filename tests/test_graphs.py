@@ -16,7 +16,7 @@ PROMPTS = [[5, 8, 11], [20, 21, 22, 23, 24, 25, 26], [30, 32], [2, 5, 8, 11, 14]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in [16, 10, 4, 12, 6, 3]]
 # seeded sampling (the same tokens with or without speculation, in graphs or eagerly) beside a greedy request
 SAMPLED = [SamplingParams(temperature=1.5, top_p=0.95, min_p=0.05, max_tokens=16, ignore_eos=True, seed=7),
-           SamplingParams(temperature=2.0, top_k=20, max_tokens=12, ignore_eos=True, seed=3),
+           SamplingParams(temperature=2.0, top_k=20, frequency_penalty=0.5, max_tokens=12, ignore_eos=True, seed=3),
            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
 
 
@@ -42,8 +42,8 @@ def test_graph_mode_identical_to_eager_and_no_recompiles(ckpt, spec, overlap, si
 def test_graph_mode_two_mtp_layers(ckpt2):
     """A checkpoint with two MTP layers, k=3: the fused step chains layer 1 for depth 2 and drafts depth 3
     with layer 0 as eager does (the same acceptance at every position). Steps of requests that process their
-    logits (penalties, logprobs) run apart, the chain's passes as graphs of their own: the same tokens and
-    logprobs as eager."""
+    logits on the host (logit_bias here) run apart, the chain's passes as graphs of their own: the same tokens
+    and logprobs as eager."""
     spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
     graph = check_graph_mode(ckpt2, spec, [4])
     graphs = graph.engine.runner.graphs
@@ -52,7 +52,7 @@ def test_graph_mode_two_mtp_layers(ckpt2):
     passes = []
     original = graphs.run
     graphs.run = lambda what, *args, **kwargs: passes.append(what) or original(what, *args, **kwargs)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, repetition_penalty=1.3, logprobs=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logit_bias={7: 2.0}, logprobs=2)
               for n in (14, 9, 5)]
     eager = LLM(ckpt2, speculative_config=spec, enforce_eager=True)
     want = eager.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params, use_tqdm=False)

@@ -189,17 +189,18 @@ def test_sampled_processors_follow_the_processed_distribution(tmp_path, spec):
     assert m["num_accepted_tokens"] > 100 and m["acceptance_rate"] < 1.0   # both accept and reject paths taken
 
 
-def test_min_p_keeps_the_fused_step_and_its_distribution(tmp_path):
-    """min_p alone is a sampling field, not a processor: its steps stay in the fused decode step, and the output
-    follows the closed form (temperature, then min_p)."""
+@pytest.mark.parametrize("fields", [dict(min_p=0.15),
+                                    dict(repetition_penalty=2.0, frequency_penalty=1.5, presence_penalty=0.7)],
+                         ids=["min_p", "penalties"])
+def test_fields_of_the_fused_step_follow_their_distribution(tmp_path, fields):
+    """min_p and the penalties are applied inside the fused decode step (the other processors are not): its
+    steps run fused, and the output follows the closed form (penalties, temperature, then min_p)."""
     path = peaked_checkpoint(tmp_path, vocab_size=6, eos_token_id=None, bos_token_id=None)
     prompt = [1, 4, 2]
-    params = SamplingParams(temperature=1.3, max_tokens=2, ignore_eos=True, min_p=0.15, logit_bias={})
-    joint = reference_joint(path, prompt, params, 2)
-    assert sum(p == 0.0 for p in joint.values()) > 0   # (min_p drops some sequences here)
+    params = SamplingParams(temperature=1.3, max_tokens=3, ignore_eos=True, logit_bias={}, **fields)
+    joint = reference_joint(path, prompt, params, 3)
     llm = LLM(path, speculative_config={"num_speculative_tokens": 1, "adaptive": False}, max_num_seqs=512,
               max_num_batched_tokens=4096, seed=11)
     outs = llm.generate(prompt_token_ids=[prompt] * 3000, sampling_params=params, use_tqdm=False)
     assert_follows(outs, joint)
     assert llm.engine.runner.pass_counts["fused_sampled"] > 0
-

@@ -277,14 +277,14 @@ class GraphRunner:
         return step
 
     def _sampling_buffers(self, batch: int, k: int) -> list[torch.Tensor]:
-        """The sampled fused step's further inputs, initially what the warm-up's padding rows run with: greedy,
-        no min_p, noise 1, uniform 0."""
+        """The sampled fused step's further inputs, initially what the warm-up's padding rows run with: greedy
+        (temperature, top_k, top_p, min_p), no penalties (repetition, frequency, presence, seen, counts), noise 1,
+        uniform 0, no row coupled, no draft distributions."""
         dev, vocab = self.device, self.model.config.vocab_size
-        return [torch.zeros(batch, device=dev), torch.zeros(batch, dtype=torch.long, device=dev),
-                torch.ones(batch, device=dev), torch.zeros(batch, device=dev),
-                torch.ones(batch, 2 * k + 1, vocab, device=dev),
-                torch.zeros(batch, k, device=dev), torch.zeros(batch, dtype=torch.bool, device=dev),
-                torch.zeros(batch, k, vocab, device=dev)]
+        return ([torch.full((batch,), v, device=dev) for v in (0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0)]
+                + [torch.zeros(batch, vocab, dtype=torch.bool, device=dev), torch.zeros(batch, vocab, device=dev),
+                   torch.ones(batch, 2 * k + 1, vocab, device=dev), torch.zeros(batch, k, device=dev),
+                   torch.zeros(batch, dtype=torch.bool, device=dev), torch.zeros(batch, k, vocab, device=dev)])
 
     def _dtype(self):
         return next(self.model.parameters()).dtype

@@ -8,6 +8,7 @@ host sync at the end:
 
     hidden   = main model over the 1+k tokens                                       (writes main KV)
     target   = greedy: the LM head's argmax at each of the 1+k positions; sampled: the requests' distributions
+               (after their penalties, the drafts before each position counted as generated: processors.py)
     accepted = greedy: leading drafts equal to the argmax; sampled: token-wise rejection sampling or block
                verification (coupled for seeded requests, and for argmax drafts token-wise),
                spec_decode/verify.py, then the recovered or bonus token
@@ -25,6 +26,7 @@ trips through Python in between (a seeded request gets the same tokens; an unsee
 import torch
 
 from mtpserve.model.attention import AttentionMetadata
+from mtpserve.sampling.processors import penalize_after, penalty_inputs
 from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, logits_to_probs, sample, sampling_tensors
 from mtpserve.spec_decode.mtp import decode_exact_depth
 from mtpserve.spec_decode.verifier import stack_draft_probs
@@ -49,13 +51,29 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
     vocab = model.draft_vocab
     probabilistic = sampled and draft_sampling == "probabilistic"
 
-    def draft(layer, hidden, params, noise):
-        """The next draft of every row; with params (sampled), its distribution over the whole vocabulary."""
+    def penalized(x, tokens, penalties):
+        """x [B, ..., V] with the requests' penalties, `tokens` [B, ..., m] generated after their output (-1:
+        none). Eagerly only when some row penalizes; in a graph always (with a torch.cond around it, inductor's
+        CPU code read garbage token indices here, torch 2.13)."""
+        if penalties is None:
+            return x
+        shape = (batch,) + (1,) * (x.dim() - 2)
+        args = (x, tokens, *[t.view(shape) for t in penalties[:3]], *[t.view(shape + (-1,)) for t in penalties[3:]])
+        if static or bool(((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0)).any()):
+            return penalize_after(*args)
+        return x
+
+    def draft(layer, hidden, params, noise, history):
+        """The next draft of every row; with params (sampled), its distribution over the whole vocabulary.
+        history: the tokens generated this step before it (-1: none), which its penalties count (without a
+        draft vocabulary: with one the drafts stay unpenalized proposals)."""
         logits = model.mtp_logits(layer, hidden, restricted=True)
+        if params is not None and vocab is None:
+            logits = penalized(logits.float(), history, params[4:])
         if not probabilistic:
             token = logits.argmax(-1)
             return (token if vocab is None else vocab[token]), None
-        probs = logits_to_probs(logits, *params, static=static)
+        probs = logits_to_probs(logits, *params[:4], static=static)
         token = sample(probs, noise[:, :probs.shape[-1]])
         if vocab is None:
             return token, probs
@@ -70,7 +88,8 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
                                  max_seq_len)
 
     def step(input_ids, positions, seq_lens, slot_mapping, block_tables, temperature=None, top_k=None, top_p=None,
-             min_p=None, noise=None, uniforms=None, coupled=None, draft_probs=None):
+             min_p=None, repetition=None, frequency=None, presence=None, seen=None, counts=None, noise=None,
+             uniforms=None, coupled=None, draft_probs=None):
         max_seq_len = block_tables.shape[1] * block_size
         meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
         hidden = model(input_ids, positions, meta, main_caches)
@@ -81,9 +100,13 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
             emitted = logits.argmax(-1).view(batch, q)
             accepted = (drafts == emitted[:, :q - 1]).long().cumprod(-1).sum(-1)
         else:
-            params = (temperature, top_k, top_p, min_p)
-            per_token = [t.repeat_interleave(q) for t in params]
-            target = logits_to_probs(logits, *per_token, static=static).view(batch, q, -1)
+            params = (temperature, top_k, top_p, min_p, repetition, frequency, presence, seen, counts)
+            per_token = [t.repeat_interleave(q) for t in params[:4]]
+            # position j counts the drafts before it as generated: [d1 d2] -> [-1 -1], [d1 -1], [d1 d2]
+            before = torch.where(torch.arange(q - 1, device=device) < torch.arange(q, device=device).unsqueeze(1),
+                                 drafts.unsqueeze(1), -1)
+            scored = penalized(logits.float().view(batch, q, -1), before, params[4:])
+            target = logits_to_probs(scored.flatten(0, 1), *per_token, static=static).view(batch, q, -1)
             if probabilistic:
                 emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], verification,
                                                   coupled)
@@ -98,7 +121,9 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
 
         def add_draft(layer, out):
             j = len(next_drafts)
-            token, probs = draft(layer, out, params, None if noise is None else noise[rows, accepted + 1 + j])
+            history = torch.cat([emitted] + [d.unsqueeze(1) for d in next_drafts], dim=1) if sampled else None
+            token, probs = draft(layer, out, params, None if noise is None else noise[rows, accepted + 1 + j],
+                                 history)
             next_drafts.append(token)
             next_probs.append(probs)
             depth_hidden.append(out)
@@ -141,7 +166,8 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
 
 
 def sampling_inputs(spec, reqs, drafts: list[list[int]], vocab_size: int, generator, device) -> list[torch.Tensor]:
-    """The sampled fused step's inputs after the first five: per request temperature, top_k, top_p, min_p; Exp(1) noise
+    """The sampled fused step's inputs after the first five: per request temperature, top_k, top_p, min_p; the
+    penalties (processors.penalty_inputs: repetition, frequency, presence, seen [B, V], counts [B, V]); Exp(1) noise
     [B, 2k+1, V] for the positions from the pending token on; with sampled drafts also a uniform per draft
     [B, k], which rows verify by coupling [B] and the drafts' distributions [B, k, V]; with argmax drafts none of
     these under token-wise verification (every row coupled), the uniforms and the coupled rows under block
@@ -151,7 +177,7 @@ def sampling_inputs(spec, reqs, drafts: list[list[int]], vocab_size: int, genera
     k = len(drafts[0])
     seeds, positions, greedy = [r.seed for r in reqs], [r.num_tokens for r in reqs], [r.params.greedy for r in reqs]
     noise = draw(seeds, positions, 2 * k + 1, vocab_size, "exponential", TARGET_NOISE, generator, device, greedy)
-    inputs = [*sampling_tensors(reqs, None, device), noise]
+    inputs = [*sampling_tensors(reqs, None, device), *penalty_inputs(reqs, vocab_size, device), noise]
     if spec.draft_sampling != "probabilistic" and spec.verification == "token":
         return inputs
     uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, generator, device, greedy)[..., 0]
@@ -165,7 +191,7 @@ def sampling_inputs(spec, reqs, drafts: list[list[int]], vocab_size: int, genera
 
 def fused_graph(runner, scheduled) -> str | None:
     """The fused step this step can run as (its graph, or eagerly: ModelRunner._fused_step): "fused" when every
-    request is greedy, "fused_sampled" when some sample; None when some request is not decoding k drafts into k
+    request is greedy without penalties, "fused_sampled" when some sample or penalize; None when some request is not decoding k drafts into k
     drafts (one pending token plus k drafts verified, k drafted next; adaptive k = 0 has a graph of its own; a
     step changing k runs the graphs apart) or is handed over or held for a hand-off."""
     if not scheduled or runner.fused_eager is None:
@@ -173,13 +199,13 @@ def fused_graph(runner, scheduled) -> str | None:
     k = len(scheduled[0].draft_token_ids)
     if not all(_decodes(s, k) and s.num_next_drafts == k for s in scheduled):
         return None
-    what = "fused" if all(s.req.params.greedy for s in scheduled) else "fused_sampled"
+    what = "fused" if all(s.req.params.greedy and not s.req.params.penalizes for s in scheduled) else "fused_sampled"
     return what if runner.fused_eager.covers_drafts(scheduled, k) else None
 
 
 def _decodes(s, k: int) -> bool:
     """Request s runs a decode step a fused graph can take: its pending token and k drafts, neither handed
-    over nor held for a hand-off, nor processing its logits on the host (processors: the separate path;
-    logprobs are read from the hidden states the step returns)."""
+    over nor held for a hand-off, nor processing its logits on the host (processors but the penalties: the
+    separate path; logprobs are read from the hidden states the step returns)."""
     return (s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and not s.req.hold_kv
-            and s.req.mtp_prefix_hidden is None and not s.req.params.processes_logits)
+            and s.req.mtp_prefix_hidden is None and not s.req.params.processes_on_host)
