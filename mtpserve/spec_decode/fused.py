@@ -191,9 +191,9 @@ def sampling_inputs(spec, reqs, drafts: list[list[int]], vocab_size: int, genera
 
 def fused_graph(runner, scheduled) -> str | None:
     """The fused step this step can run as (its graph, or eagerly: ModelRunner._fused_step): "fused" when every
-    request is greedy without penalties, "fused_sampled" when some sample or penalize; None when some request is not decoding k drafts into k
-    drafts (one pending token plus k drafts verified, k drafted next; adaptive k = 0 has a graph of its own; a
-    step changing k runs the graphs apart) or is handed over or held for a hand-off."""
+    request is greedy without penalties, "fused_sampled" when some sample or penalize; None when some request is
+    not decoding k drafts into k drafts (one pending token plus k drafts verified, k drafted next; adaptive k = 0
+    has a graph of its own; a step changing k runs the graphs apart) or is handed over or held for a hand-off."""
     if not scheduled or runner.fused_eager is None:
         return None
     k = len(scheduled[0].draft_token_ids)
