@@ -53,27 +53,22 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
 
     def penalized(x, tokens, penalties):
         """x [B, ..., V] with the requests' penalties, `tokens` [B, ..., m] generated after their output (-1:
-        none). Eagerly only when some row penalizes; in a graph always (with a torch.cond around it, inductor's
-        CPU code read garbage token indices here, torch 2.13)."""
-        if penalties is None:
-            return x
+        none)."""
         shape = (batch,) + (1,) * (x.dim() - 2)
-        args = (x, tokens, *[t.view(shape) for t in penalties[:3]], *[t.view(shape + (-1,)) for t in penalties[3:]])
-        if static or bool(((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0)).any()):
-            return penalize_after(*args)
-        return x
+        return penalize_after(x, tokens, *[t.view(shape) for t in penalties[:3]],
+                              *[t.view(shape + (-1,)) for t in penalties[3:]])
 
-    def draft(layer, hidden, params, noise, history):
+    def draft(layer, hidden, params, noise, penalties, history):
         """The next draft of every row; with params (sampled), its distribution over the whole vocabulary.
         history: the tokens generated this step before it (-1: none), which its penalties count (without a
         draft vocabulary: with one the drafts stay unpenalized proposals)."""
         logits = model.mtp_logits(layer, hidden, restricted=True)
-        if params is not None and vocab is None:
-            logits = penalized(logits.float(), history, params[4:])
+        if penalties is not None and vocab is None:
+            logits = penalized(logits.float(), history, penalties)
         if not probabilistic:
             token = logits.argmax(-1)
             return (token if vocab is None else vocab[token]), None
-        probs = logits_to_probs(logits, *params[:4], static=static)
+        probs = logits_to_probs(logits, *params, static=static)
         token = sample(probs, noise[:, :probs.shape[-1]])
         if vocab is None:
             return token, probs
@@ -95,18 +90,24 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
         hidden = model(input_ids, positions, meta, main_caches)
         logits = model.compute_logits(hidden)
         drafts = input_ids.view(batch, q)[:, 1:]
-        params = None
+        params = penalties = None
         if not sampled:
             emitted = logits.argmax(-1).view(batch, q)
             accepted = (drafts == emitted[:, :q - 1]).long().cumprod(-1).sum(-1)
         else:
-            params = (temperature, top_k, top_p, min_p, repetition, frequency, presence, seen, counts)
-            per_token = [t.repeat_interleave(q) for t in params[:4]]
-            # position j counts the drafts before it as generated: [d1 d2] -> [-1 -1], [d1 -1], [d1 d2]
-            before = torch.where(torch.arange(q - 1, device=device) < torch.arange(q, device=device).unsqueeze(1),
-                                 drafts.unsqueeze(1), -1)
-            scored = penalized(logits.float().view(batch, q, -1), before, params[4:])
-            target = logits_to_probs(scored.flatten(0, 1), *per_token, static=static).view(batch, q, -1)
+            params = (temperature, top_k, top_p, min_p)
+            per_token = [t.repeat_interleave(q) for t in params]
+            penalties = (repetition, frequency, presence, seen, counts)
+            # eagerly only when some row penalizes; a graph always runs them (with a torch.cond around them,
+            # inductor's CPU code read garbage token indices, torch 2.13)
+            if not static and not bool(((repetition != 1) | (frequency != 0) | (presence != 0)).any()):
+                penalties = None
+            scored = logits.float()
+            if penalties is not None:   # position j counts the drafts before it: [d1 d2] -> [-1 -1], [d1 -1], [d1 d2]
+                before = torch.where(torch.arange(q - 1, device=device) < torch.arange(q, device=device).unsqueeze(1),
+                                     drafts.unsqueeze(1), -1)
+                scored = penalized(scored.view(batch, q, -1), before, penalties).flatten(0, 1)
+            target = logits_to_probs(scored, *per_token, static=static).view(batch, q, -1)
             if probabilistic:
                 emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], verification,
                                                   coupled)
@@ -121,9 +122,9 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
 
         def add_draft(layer, out):
             j = len(next_drafts)
-            history = torch.cat([emitted] + [d.unsqueeze(1) for d in next_drafts], dim=1) if sampled else None
+            history = None if penalties is None else torch.cat([emitted] + [d.unsqueeze(1) for d in next_drafts], 1)
             token, probs = draft(layer, out, params, None if noise is None else noise[rows, accepted + 1 + j],
-                                 history)
+                                 penalties, history)
             next_drafts.append(token)
             next_probs.append(probs)
             depth_hidden.append(out)

@@ -57,8 +57,8 @@ class MTPProposer:
         a graph per layer and k: it runs them eagerly), and one-token passes of layer 0 for the depths past the
         own layers."""
         chained, verified = self._chain_depth() > 1, self.spec.verified_draft_counts
-        first = [(f"mtp{j}", 1 + v) for j in range(self._chain_depth()) for v in verified
-                 if not chained or len(verified) == 1]
+        first = ([] if chained and len(verified) > 1 else
+                 [(f"mtp{j}", 1 + v) for j in range(self._chain_depth()) for v in verified])
         shared_depths = self.spec.num_speculative_tokens > self._chain_depth() + chained
         return first + ([("mtp0", 1)] if shared_depths else [])
 
