@@ -12,10 +12,10 @@ host sync at the end:
     accepted = greedy: leading drafts equal to the argmax; sampled: token-wise rejection sampling or block
                verification (coupled for seeded requests, and for argmax drafts token-wise),
                spec_decode/verify.py, then the recovered or bonus token
-    MTP layer 0 over the 1+k positions, fed the emitted tokens as the next tokens (equal to the drafts where
-             accepted, the extra token at the accepted index), run at the accepted index     (writes MTP KV)
-    draft 1  = the draft head's argmax, or a draw from its distribution; drafts 2..k: layer 0 one token further
-               each (graph mode's drafting, as in spec_decode/mtp.py)
+    drafts   = the MTP passes of spec_decode/mtp.py's plan (mtp_passes), fed the emitted tokens as the next
+               tokens (the drafts where accepted, the extra token at the accepted index): own layer 0 over the 1+k
+               positions, its output at the accepted index -> draft 1 (argmax, or a draw from the draft head's
+               distribution); then the further depths                                   (writes MTP KV)
 
 Random draws come in as inputs, keyed as the unfused path keys them (sampling/sampler.py draw): Exp(1) noise at
 the 2k+1 positions from the pending token on (the target's 1+k slots; the next drafts sit at positions
@@ -28,7 +28,7 @@ import torch
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.sampling.processors import penalize_after, penalty_inputs
 from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, logits_to_probs, sample, sampling_tensors
-from mtpserve.spec_decode.mtp import decode_exact_depth
+from mtpserve.spec_decode.mtp import mtp_passes
 from mtpserve.spec_decode.verifier import stack_draft_probs
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
@@ -129,36 +129,30 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
             next_probs.append(probs)
             depth_hidden.append(out)
 
-        # The MTP passes reuse the main pass's metadata: the same tokens' positions and slots. Own layer j
-        # (chained) reads the tokens shifted by j+1: known[:, i] is the token at position start + i + 1, the
-        # emitted ones then the drafts; past those, the last of them (as spec_decode/mtp.py fills them). A layer
-        # deeper than this step drafts writes its KV only, fed the main hidden states (MTPProposer._exact_depth).
+        # The MTP passes (spec_decode/mtp.py's plan) reuse the main pass's metadata: the same tokens' positions
+        # and slots. Own layer j reads the tokens shifted by j+1: known[:, i] is the token at position start + i + 1,
+        # the emitted ones, then the drafts; past those, the last of them.
         known = torch.cat([emitted.clamp_min(0), emitted.new_zeros(batch, k_next)], dim=1)
         columns = torch.arange(q, device=device).unsqueeze(0)
-        exact_depth = decode_exact_depth(k_next, chain_depth)
-        outs = hidden
-        for j in range(chain_depth):
-            if 0 < j <= k_next:
-                known = known.scatter(1, (accepted + j).unsqueeze(1), next_drafts[-1].unsqueeze(1))
-            tokens = known.gather(1, torch.minimum(columns + j, (accepted + min(j, k_next)).unsqueeze(1)))
-            if j + 1 < exact_depth:   # the next own layer reads every output
-                outs = model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j])
-                add_draft(j, outs[index])
-            elif j < k_next:   # the last layer drafted at, at the accepted index
-                add_draft(j, model.mtp_forward(j, tokens.flatten(), positions, outs, meta, mtp_caches[j], index))
-            else:
-                inputs = outs if j < exact_depth else hidden
-                model.mtp_forward(j, tokens.flatten(), positions, inputs, meta, mtp_caches[j], rows[:0])
-        for j in range(chain_depth, k_next):   # layer 0 one token further each, fed the previous draft and output
-            # (the first such depth after own layers also covers the positions they drafted at, which layer 0's
-            # cache holds nothing for yet: as in spec_decode/mtp.py)
-            span = j if chain_depth > 1 and j == chain_depth else 1
-            p = position.unsqueeze(1) + torch.arange(j - span + 1, j + 1, device=device)
-            tokens = torch.stack(next_drafts[-span:], dim=1).flatten()
-            inputs = torch.stack(depth_hidden[-span:], dim=1).flatten(0, 1)
-            out = model.mtp_forward(0, tokens, p.flatten(), inputs, metadata_at(p, span, real, block_tables, max_seq_len),
-                                    mtp_caches[0], one_token[1:] * span - 1 if span > 1 else None)
-            add_draft(0, out)
+        chain_hidden = hidden
+        for j, p in enumerate(mtp_passes(k_next, chain_depth, whole_chain=False)):
+            if p.own:
+                if 0 < j <= k_next:
+                    known = known.scatter(1, (accepted + j).unsqueeze(1), next_drafts[-1].unsqueeze(1))
+                tokens = known.gather(1, torch.minimum(columns + j, (accepted + min(j, k_next)).unsqueeze(1)))
+                out = model.mtp_forward(j, tokens.flatten(), positions, chain_hidden if p.chained else hidden, meta,
+                                        mtp_caches[j], {"all": None, "index": index, "none": rows[:0]}[p.outputs])
+                if p.outputs == "all":
+                    chain_hidden, out = out, out[index]
+            else:   # layer 0, `span` tokens up to the next position, fed the previous depths' drafts and outputs
+                at = position.unsqueeze(1) + torch.arange(j - p.span + 1, j + 1, device=device)
+                tokens = torch.stack(next_drafts[-p.span:], dim=1).flatten()
+                inputs = torch.stack(depth_hidden[-p.span:], dim=1).flatten(0, 1)
+                out = model.mtp_forward(0, tokens, at.flatten(), inputs,
+                                        metadata_at(at, p.span, real, block_tables, max_seq_len), mtp_caches[0],
+                                        one_token[1:] * p.span - 1 if p.span > 1 else None)
+            if p.drafts:
+                add_draft(p.layer, out)
         drafted = torch.stack(next_drafts, dim=1) if next_drafts else emitted.new_zeros(batch, 0)
         ids = torch.cat([emitted, accepted.unsqueeze(1), drafted], dim=1)
         return ids, (torch.stack(next_probs, dim=1) if probabilistic and next_probs else None), hidden

@@ -1,19 +1,24 @@
 """MTP drafting (DeepSeek-V3's predict phase).
 
-Pass 0 runs MTP layer 0 over every position whose main-model hidden state was computed this step and whose
-next token is now known (a prompt chunk; or the pending token plus the accepted drafts), with the tokens
-shifted by one. That fills the MTP KV cache exactly where the main cache is valid, and its output at the
-last position gives draft 1. Pass j uses MTP layer j if the checkpoint has it, else layer 0. A shared layer
-(DeepSeek-V3 ships one, so all passes share it and its cache) runs one token at the next position, fed draft j
-and the previous pass's output hidden state. A layer of its own runs as it was trained: over the same
-positions as pass 0, fed the previous depth's outputs there and the tokens shifted by j+1 (the last one being
-draft j), which also fills its own cache where it belongs (every step runs it, so its cache stays whole;
-graph mode too, where the fused step chains it in its graph, spec_decode/fused.py). A decode step that drafts
-fewer depths than the checkpoint has own layers (adaptive k) runs the chain only as deep as it drafts; the
-deeper own layers write their KV fed the main model's hidden states (MTPProposer._exact_depth). One drafting
-none (adaptive k = 0) still runs layer 0 over its positions, KV only, so the caches are whole when drafting
-resumes. Slots written past the accepted length are never read before being overwritten.
+A step's MTP passes follow one plan, `mtp_passes` (the fused step of spec_decode/fused.py runs the same plan
+inside its graph). Own layer j (the checkpoint's layer for depth j+1) runs over every position whose main-model
+hidden state was computed this step and whose next token is now known (a prompt chunk; or the pending token plus
+the accepted drafts), fed the tokens shifted by j+1 and, chained, the previous own layer's outputs there. That
+fills its KV cache exactly where the main cache is valid, and its output at the accepted position gives draft
+j+1. Past the own layers (DeepSeek-V3 ships one), layer 0 runs one token further per depth, fed the previous
+draft and output. Request at 5, pending t5, drafts [d6, d7], d6 accepted, e7 emitted, k = 3, one own layer:
+
+    own layer 0     tokens [d6, e7] at 5, 6, main hidden states   -> output at 6 -> draft x8
+    layer 0         token  [x8] at 7, fed that output             -> draft x9
+    layer 0         token  [x9] at 8                              -> draft x10
+
+A decode step drafting fewer depths than the checkpoint has own layers (adaptive k) chains only as deep as it
+drafts; the deeper own layers write their KV fed the main model's hidden states. One drafting none (k = 0) still
+runs them, KV only, so the caches are whole when drafting resumes. Slots written past the accepted length are
+never read before being overwritten.
 """
+from dataclasses import dataclass
+
 import torch
 
 from mtpserve.sampling import processors
@@ -21,10 +26,34 @@ from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 from mtpserve.step import Row
 
 
-def decode_exact_depth(k: int, chain_depth: int) -> int:
-    """The own layers a decode step drafting k tokens runs as trained (MTPProposer._exact_depth; the fused
-    graphs use the same rule)."""
-    return max(1, min(k, chain_depth))
+@dataclass(frozen=True)
+class MTPPass:
+    """One depth of a step's drafting. Two own layers, k = 3, a decode step:
+        MTPPass(layer=0, own=True, outputs="all")                 -> draft 1 (at the accepted position)
+        MTPPass(layer=1, own=True, chained=True, outputs="index") -> draft 2
+        MTPPass(layer=0, own=False, span=2)                       -> draft 3 (positions of drafts 1 and 2)"""
+    layer: int
+    own: bool               # over the step's positions (else one token past the previous depth's, `span` tokens)
+    chained: bool = False   # fed the previous own layer's outputs (else the main model's hidden states)
+    outputs: str = "index"  # "all" (the next own layer reads them), "index" (the accepted position's), "none" (KV)
+    drafts: bool = True
+    span: int = 1           # past the own layers, the first depth also covers the positions they drafted at
+
+
+def mtp_passes(k: int, chain_depth: int, whole_chain: bool) -> list[MTPPass]:
+    """The passes of a step drafting k tokens with `chain_depth` own layers. whole_chain: every own layer runs
+    as trained, chained (prompt chunks: a prompt's KV is read by every later step); else a decode step chains as
+    many as it drafts and the deeper ones write their KV fed the main hidden states (a later step drafting more
+    depths reads that KV: its drafts differ, deterministically; verification stays lossless)."""
+    exact = chain_depth if whole_chain else max(1, min(k, chain_depth))
+    passes = []
+    for j in range(max(k, chain_depth)):
+        if j < chain_depth:
+            outputs = "all" if j + 1 < exact else "index" if j < k else "none"
+            passes.append(MTPPass(j, own=True, chained=0 < j < exact, outputs=outputs, drafts=j < k))
+        else:
+            passes.append(MTPPass(0, own=False, span=j if chain_depth > 1 and j == chain_depth else 1))
+    return passes
 
 
 class MTPProposer:
@@ -79,13 +108,12 @@ class MTPProposer:
         verified = len(scheduled[0].draft_token_ids) if scheduled else 0
         static = self.static_shapes and all(
             s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == verified for s in scheduled)
-        handed_over = any(s.samples and s.req.mtp_prefix_hidden is not None for s in scheduled)
         # One row per request, the same for every own layer: its positions whose next token is now known, from
         # the step's first (a hand-over, disagg scheme 2: from the prompt's last, fed the hidden state it came
         # with, appended after this step's in `source`). sources: the main hidden state fed at each row token;
         # last: where each request's accepted position lands in the flat layout.
         # Request "a" at 5, pending t5, drafts [d6, d7], d6 accepted, e7 emitted: row tokens [d6, e7] at 5, 6.
-        source, rows, sources, last, drafting = [hidden], [], [], [], []
+        source, rows, sources, last = [hidden], [], [], []
         num_source = len(hidden)
         for i, s in enumerate(scheduled):
             accepted = len(new_tokens[i]) - 1 if s.samples else 0
@@ -104,95 +132,54 @@ class MTPProposer:
             last.append(len(sources) + s.start + own - 1 - first)
             rows.append(Row(row_tokens, first, s.req.block_ids))
             sources.extend(row_sources)
-            if s.samples and k:   # (k = 0: the pass only fills the MTP cache, for when drafting resumes)
-                drafting.append(i)
-        # A checkpoint with its own layer for depth j+1 runs it as trained: over the same positions as depth 1,
-        # fed depth j's outputs there (chained). That needs every output of the previous pass, not just the last.
-        # Its cache must be whole wherever a later step attends: every step writes each own layer of the chain
-        # (prompt chunks and steps that draft fewer depths too: those write its KV only, fed the main hidden
-        # states, unless a deeper own layer needs its outputs). In graph mode only the fused step has the chain
-        # in a graph: other steps run chained passes eagerly.
-        chain_depth = self._chain_depth()
-        chain = chain_depth > 1
-        exact_depth = self._exact_depth(scheduled, k, handed_over)
-        source = torch.cat(source) if len(source) > 1 else hidden
-        first_outputs = None if exact_depth > 1 else last if drafting or self.static_shapes else []
-        out = self.forward("mtp0", rows, source[sources], output_index=first_outputs)
-        none = [(None, None)] * len(scheduled)
-        if not drafting and not chain:   # the pass just filled the MTP cache
-            return none
+        main = (torch.cat(source) if len(source) > 1 else hidden)[sources]
+        whole_chain = len(source) > 1 or any(not s.samples or s.num_new_tokens > 1 for s in scheduled)
+        chained = self._chain_depth() > 1   # (graph mode: the own layers' graphs compute every output)
+        drafting = [i for i, s in enumerate(scheduled) if s.samples] if k else []
         reqs = [scheduled[i].req for i in drafting]
-        draft_positions = [scheduled[i].req.num_tokens + len(new_tokens[i]) for i in drafting]
-        prev_hidden = out[[last[i] for i in drafting]] if exact_depth > 1 else out[drafting]
-        drafts, draft_probs, depth_hidden = [], [], [prev_hidden]
+        draft_positions = [r.num_tokens + len(new_tokens[i]) for i, r in zip(drafting, reqs)]
+        accepted_at = [scheduled[i].start + scheduled[i].num_new_tokens + len(new_tokens[i]) - 2 for i in drafting]
+        known = [s.req.all_token_ids + new_tokens[i] for i, s in enumerate(scheduled)]
         # the tokens each drafting request has generated past its output by each depth (its processors read them)
-        generated = ([new_tokens[i] for i in drafting] if any(r.params.processes_logits for r in reqs)
-                     else None)
-        if drafting:
-            token, probs = self._draft(0, prev_hidden, reqs, draft_positions, generated)
-            drafts, draft_probs = [token], [probs]
-        next_pos = [scheduled[i].start + len(new_tokens[i]) + scheduled[i].num_new_tokens - 1
-                    for i in drafting]
-        if chain:   # every request's rows, prompt chunks too: they fill the own layers' caches at their positions
-            chain_hidden = out   # (one output per row token of the layer before, in order)
-            known = [s.req.all_token_ids + new_tokens[i] for i, s in enumerate(scheduled)]
-        num_layers = self.model.num_mtp_layers
-        for j in range(1, max(k, chain_depth)):
-            layer = j if j < num_layers else 0
-            if chain and layer == j:   # depth j+1 at position p: embedding of t[p+j+1], depth j's output at p
-                if j <= k:
+        generated = [new_tokens[i] for i in drafting] if any(r.params.processes_logits for r in reqs) else None
+        drafts, draft_probs, depth_hidden, chain_hidden = [], [], [], None
+        for j, p in enumerate(mtp_passes(k, self._chain_depth(), whole_chain)):
+            if p.own:   # depth j+1 at position t: embedding of token t+j+1, main or depth j's hidden state at t
+                if 0 < j <= k:
                     for i, d in zip(drafting, drafts[j - 1].tolist()):
                         known[i] = known[i] + [d]
-                step_rows = [self._chain_row(t, r, j, scheduled[i].samples)
-                             for i, (t, r) in enumerate(zip(known, rows))]
-                if j >= exact_depth:   # its KV only, fed the main hidden states
-                    self.forward(f"mtp{layer}", step_rows, source[sources], output_index=[])
-                    continue
-                if j + 1 < exact_depth:   # a deeper own layer reads every output of this one
-                    chain_hidden = self.forward(f"mtp{layer}", step_rows, chain_hidden)
+                step_rows = [self._chain_row(t, r, j, s.samples) for t, r, s in zip(known, rows, scheduled)]
+                inputs = chain_hidden if p.chained else main
+                if p.outputs == "all":
+                    chain_hidden = self.forward(f"mtp{j}", step_rows, inputs)
                     prev_hidden = chain_hidden[[last[i] for i in drafting]]
-                elif j < k:   # the last own layer: its KV everywhere, its outputs only where a draft is read
-                    # (graph mode: every output, as the chain's graphs compute them)
-                    out = self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=None if static else last)
-                    prev_hidden = (out[last] if static else out)[drafting]
-                else:   # not drafted at this depth this step: its KV only
-                    self.forward(f"mtp{layer}", step_rows, chain_hidden, output_index=[])
-            else:   # a shared layer: one token at the next position, fed the previous pass's last output
-                # (the first depth past a checkpoint's own layers also covers the positions those depths drafted
-                # at, which layer 0's cache holds nothing for yet: as if layer 0 had drafted every depth)
-                span = j if chain and j == num_layers else 1
-                tokens = torch.stack(drafts[-span:], dim=1).tolist()
-                step_rows = [Row(t, p - span + 1, scheduled[i].req.block_ids)
-                             for i, t, p in zip(drafting, tokens, next_pos)]
-                inputs = torch.stack(depth_hidden[-span:], dim=1).flatten(0, 1)
-                outputs = [span * (n + 1) - 1 for n in range(len(drafting))] if span > 1 else None
-                prev_hidden = self.forward(f"mtp{layer}", step_rows, inputs, output_index=outputs)
-            if j >= k:
+                elif p.outputs == "index":
+                    index = None if static and chained else last
+                    out = self.forward(f"mtp{j}", step_rows, inputs, output_index=index)
+                    prev_hidden = (out[last] if index is None else out)[drafting]
+                else:   # KV only (an indexed graph still outputs one token per row)
+                    self.forward(f"mtp{j}", step_rows, inputs, output_index=last if static and not chained else [])
+            else:   # layer 0, `span` tokens up to the next position, fed the previous depths' drafts and outputs
+                tokens = torch.stack(drafts[-p.span:], dim=1).tolist()
+                step_rows = [Row(t, at + j - p.span + 1, scheduled[i].req.block_ids)
+                             for i, t, at in zip(drafting, tokens, accepted_at)]
+                inputs = torch.stack(depth_hidden[-p.span:], dim=1).flatten(0, 1)
+                outputs = [p.span * (n + 1) - 1 for n in range(len(drafting))] if p.span > 1 else None
+                prev_hidden = self.forward("mtp0", step_rows, inputs, output_index=outputs)
+            if not p.drafts:
                 continue
-            if generated is not None:
+            if generated is not None and j:
                 generated = [g + [d] for g, d in zip(generated, drafts[-1].tolist())]
-            token, probs = self._draft(layer, prev_hidden, reqs, [p + j for p in draft_positions], generated)
+            token, probs = self._draft(p.layer, prev_hidden, reqs, [q + j for q in draft_positions], generated)
             drafts.append(token)
             draft_probs.append(probs)
             depth_hidden.append(prev_hidden)
-            next_pos = [p + 1 for p in next_pos]
         if not drafting:
-            return none
+            return [(None, None)] * len(scheduled)
         drafts = torch.stack(drafts, dim=1).tolist()   # (one k for the whole step: adaptive.plan_drafts)
         probs = torch.stack(draft_probs, dim=1) if draft_probs[0] is not None else [None] * len(drafting)
         found = dict(zip(drafting, zip(drafts, probs)))
         return [found.get(i, (None, None)) for i in range(len(scheduled))]
-
-    def _exact_depth(self, scheduled, k: int, handed_over: bool) -> int:
-        """The own layers this step runs as trained (chained, each fed the outputs of the one before); the deeper
-        own layers only write their KV, fed the main model's hidden states instead of the previous layer's
-        outputs. A decode step runs as many as it drafts (decode_exact_depth; the fused graphs use the same rule):
-        an adaptive engine drafting one token runs layer 0 at the accepted index only (as fixed k = 1 does). The
-        KV written so is not what the chain would write, and a later step drafting more depths reads it: its
-        drafts differ (deterministically), its verification stays lossless. Steps with prompt chunks (or a
-        handed-over hidden state) run every own layer as trained: a prompt's KV is read by every later step."""
-        prompt = handed_over or any(not s.samples or s.num_new_tokens > 1 for s in scheduled)
-        return self._chain_depth() if prompt else decode_exact_depth(k, self._chain_depth())
 
     def _chain_depth(self) -> int:
         """The depths run with the checkpoint's own layers, chained as trained: min(k, MTP layers), k the most
