@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
+from mtpserve.model.ops import opaque_op
 from mtpserve.model.fp8 import apply_linear, weight_of
 from mtpserve.model.layers import RMSNorm, RotaryEmbedding, linear, share_storage, softmax_scale
 from mtpserve.model.parallel import TensorParallel
@@ -95,16 +96,12 @@ def cached_keys(kv_cache: torch.Tensor, meta: "AttentionMetadata", dtype: torch.
     return keys[:, :meta.max_seq_len].to(dtype)
 
 
-@torch.library.custom_op("mtpserve::gather_cache_blocks", mutates_args=())
+@opaque_op("gather_cache_blocks(Tensor kv_cache, Tensor blocks) -> Tensor",
+           lambda kv_cache, blocks: kv_cache.new_empty((blocks.shape[0], *kv_cache.shape[1:])))
 def gather_cache_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """kv_cache[blocks] as one opaque op in graphs: ATen copies whole blocks, where inductor's generated
     gather indexes element by element (and may gather again for each consumer of the keys)."""
     return kv_cache.index_select(0, blocks)
-
-
-@gather_cache_blocks.register_fake
-def _(kv_cache, blocks):
-    return kv_cache.new_empty((blocks.shape[0], *kv_cache.shape[1:]))
 
 
 SMALL_BMM_ROWS = 64   # up to this many rows in all (batch x rows), a CPU graph's bmm is a fused reduction

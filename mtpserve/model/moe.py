@@ -7,6 +7,7 @@ from mtpserve.config import ModelConfig
 from mtpserve.model.fp8 import Fp8Weight
 from mtpserve.model.int8 import Int8Weight
 from mtpserve.model.layers import MLP, linear, silu_and_mul
+from mtpserve.model.ops import opaque_op
 from mtpserve.model.parallel import ExpertParallel, TensorParallel
 
 # Up to this many (token, expert) choices, every expert chosen runs on all the tokens: fewer ops than grouping
@@ -240,40 +241,31 @@ def _grouped_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
-@torch.library.custom_op("mtpserve::routed_experts", mutates_args=())
+def _like_x(x, *args):
+    return torch.empty_like(x)
+
+
+@opaque_op("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2) -> Tensor", _like_x)
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor) -> torch.Tensor:
     """The hit-experts loop as one opaque op, so CPU graphs (inductor) run only the experts chosen."""
     return _hit_experts(x, weights, ids, w13, w2)
 
 
-@routed_experts.register_fake
-def _(x, weights, ids, w13, w2):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("mtpserve::routed_experts_fp8", mutates_args=())
+@opaque_op("routed_experts_fp8(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor s13, Tensor w2, Tensor s2, "
+           "int block) -> Tensor", _like_x)
 def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                        s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block: int) -> torch.Tensor:
     """The same with FP8 experts (w13/w2 and their scales), each expert dequantized as it runs."""
     return _hit_experts(x, weights, ids, Fp8Weight(w13, s13, block), Fp8Weight(w2, s2, block))
 
 
-@routed_experts_fp8.register_fake
-def _(x, weights, ids, w13, s13, w2, s2, block):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("mtpserve::routed_experts_int8", mutates_args=())
+@opaque_op("routed_experts_int8(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor s13, Tensor w2, "
+           "Tensor s2) -> Tensor", _like_x)
 def routed_experts_int8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                         s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     """The same with int8 experts (model/int8.py)."""
     return _hit_experts(x, weights, ids, Int8Weight(w13, s13), Int8Weight(w2, s2))
-
-
-@routed_experts_int8.register_fake
-def _(x, weights, ids, w13, s13, w2, s2):
-    return torch.empty_like(x)
 
 
 def _all_experts(x, weights, ids, w13, w2) -> torch.Tensor:
