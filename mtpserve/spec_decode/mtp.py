@@ -199,9 +199,8 @@ class MTPProposer:
         return Row(tokens + known[-1:] * missing, row.start, row.block_ids)
 
     def num_passes(self, scheduled) -> int:
-        """The MTP passes propose() runs for this step: k when a request drafts, and at least the chained own
-        layers (every step writes them, to keep their caches whole)."""
-        return max(self.next_k(scheduled), self._chain_depth())
+        """The MTP passes propose() runs for this step (the plan's length)."""
+        return len(mtp_passes(self.next_k(scheduled), self._chain_depth(), whole_chain=True))
 
     def min_last_chunk(self) -> int:
         """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
