@@ -2,13 +2,14 @@
 
 A step is uniform when every row has the same number of query tokens (1 without speculation, 1+k with it).
 Its batch is padded to the next of `graph_batch_sizes`; padding rows have KV length 0 and slot -1, so they
-never read or write real KV, and their outputs are dropped. The block table is cut to the blocks that cover
-the longest row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as dynamic: one compiled
-graph per (what, batch size, query length) serves every KV length, and attention reads only the bucket, not
-all of max_model_len. Inputs are copied into static buffers. On CUDA the compiled step is captured as CUDA
-graphs (torch.compile "reduce-overhead"; one per KV bucket, recorded at warm-up); on the CPU it is an
-inductor-compiled kernel. Anything else (prefill chunks, batches above the largest size) runs eagerly in the
-same loop.
+never read or write real KV, and their outputs are dropped. The batch is static: a graph's few-row paths (the
+linears and experts of 1-8 rows, moe.py and layers.py) unroll over its rows. The block table is cut to the
+blocks that cover the longest row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as
+dynamic: one compiled graph per (what, batch size, query length) serves every KV length, and attention reads
+only the bucket, not all of max_model_len. Inputs are copied into static buffers (graph_inputs.py). On CUDA the
+compiled step is captured as CUDA graphs (torch.compile "reduce-overhead"; one per KV bucket, recorded at
+warm-up); on the CPU it is an inductor-compiled kernel. Anything else (prefill chunks, batches above the largest
+size) runs eagerly in the same loop.
 
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
 queues its graph for a compiler thread and runs eagerly, as do the steps after it until the graph is built:
@@ -20,37 +21,16 @@ import sys
 import threading
 import time
 import types
-from dataclasses import dataclass
 
 import torch
 import torch._dynamo
 
 from mtpserve.model.attention import AttentionMetadata
+from mtpserve.runner.graph_inputs import StaticInputs, fresh_inputs, sampling_buffers
 from mtpserve.step import Row
 
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
-
-
-@dataclass
-class StaticInputs:
-    """A graph's input buffers, copied into before each run (batch B rows of q tokens)."""
-    input_ids: torch.Tensor                     # [B * q]
-    positions: torch.Tensor                     # [B * q]
-    seq_lens: torch.Tensor                      # [B]  (0: a padding row)
-    slot_mapping: torch.Tensor                  # [B * q]  (-1: no KV written)
-    block_tables: torch.Tensor                  # [B, max blocks]; a graph sees the first `bucket` columns
-    prev_hidden: torch.Tensor | None = None     # MTP passes: the hidden state fed at each token [B * q, H]
-    output_index: torch.Tensor | None = None    # MTP passes over 1+k tokens: the one token per row to output [B]
-    sampling: list[torch.Tensor] | None = None  # fused steps: the sampled step's further inputs (else [])
-
-    def args(self, bucket: int, compiling: bool = False) -> list:
-        table = self.block_tables[:, :bucket]
-        # one graph for every KV bucket (a one-block table has a single bucket: dynamo specializes size 1)
-        if compiling and self.block_tables.shape[1] > 1:
-            torch._dynamo.mark_dynamic(table, 1)
-        head = [self.input_ids, self.positions, self.seq_lens, self.slot_mapping, table]
-        return head + (self.sampling if self.sampling is not None else [self.prev_hidden, self.output_index])
 
 
 class GraphRunner:
@@ -97,7 +77,7 @@ class GraphRunner:
                 and self.indexed(what, q) == (output_index is not None) and self.ready((what, size, q)))
 
     def ready(self, key: tuple) -> bool:
-        """The graph (what, batch, query length) is built; background mode queues a missing one of warm_up's."""
+        """The graph `key` is built; background mode queues a missing one of warm_up's."""
         if key in self.graphs:
             return True
         if self.background and (key[0], key[2]) in self.shapes and key not in self._queued:
@@ -140,8 +120,8 @@ class GraphRunner:
         rows need (data parallel: every rank runs the largest any needs)."""
         n, q = len(rows), len(rows[0].token_ids)
         batch = batch or self.padded_size(n)
-        fn, buf = self._graph(what, batch, q)
-        inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + q))
+        fn, buf = self._graph((what, batch, q))
+        inputs = buf.load(rows, q, self.kv_bucket(max(r.start for r in rows) + q), self.block_size)
         if buf.prev_hidden is not None:
             buf.prev_hidden[:n * q].copy_(prev_hidden)
         if buf.output_index is not None:   # padding rows read their own first token
@@ -166,8 +146,11 @@ class GraphRunner:
         hidden states [rows * (1+k), H]). sampling: the sampled step's further inputs (fused.sampling_inputs,
         the leading ones of the buffers), one row per request."""
         n, q = len(rows), len(rows[0].token_ids)
-        fn, buf = self._graph(what, self.padded_size(n), q)
-        inputs = self._load(buf, rows, q, self.kv_bucket(max(r.start for r in rows) + 2 * q - 1))
+        size = self.padded_size(n)
+        fn, buf = self._graph((what, size, q))
+        bucket = self.kv_bucket(max(r.start for r in rows) + 2 * q - 1)
+        inputs = (buf.load(rows, q, bucket, self.block_size) if self.compiled
+                  else fresh_inputs(rows, q, bucket, self.block_size, self.device))
         if sampling is not None and self.compiled:
             for target, value in zip(buf.sampling, sampling):   # (padding rows keep what they held: outputs dropped)
                 target[:n].copy_(value)
@@ -175,30 +158,6 @@ class GraphRunner:
         ids, probs, hidden = fn(*inputs[:5], *(sampling or []))
         hidden = hidden[:n * q].clone() if self.cuda_graphs else hidden[:n * q]   # (as run's output)
         return ids[:n].tolist(), None if probs is None else probs[:n].clone(), hidden
-
-    def _load(self, buf: StaticInputs | None, rows: list[Row], q: int, bucket: int) -> list:
-        """Copies the rows into the static buffers; returns the graph's first five inputs (eager: fresh
-        tensors)."""
-        # Index arithmetic in Python lists, one copy per buffer: per-op costs dominate a small decode step.
-        # Padding rows have KV length 0 and slot -1 (their writes land in the null block).
-        ids, positions, slots, seq_lens, tables = [], [], [], [], []
-        for r in rows:
-            ids += r.token_ids
-            positions += range(r.start, r.start + q)
-            slots += r.slots(self.block_size)
-            seq_lens.append(r.start + q)
-            blocks = r.block_ids[:bucket]
-            tables += blocks + [0] * (bucket - len(blocks))
-        if not self.compiled:   # fresh tensors (the rotary tables are looked up once per positions tensor)
-            tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
-            return [tensor(ids), tensor(positions), tensor(seq_lens), tensor(slots), tensor(tables).view(len(rows), -1)]
-        batch = buf.seq_lens.shape[0]
-        for target, values, fill in ((buf.input_ids, ids, 0), (buf.positions, positions, 0),
-                                     (buf.slot_mapping, slots, -1), (buf.seq_lens, seq_lens, 0)):
-            target.copy_(torch.tensor(values + [fill] * (len(target) - len(values))))
-        buf.block_tables[:, :bucket].copy_(torch.tensor(tables + [0] * ((batch - len(rows)) * bucket)).view(batch,
-                                                                                                           bucket))
-        return buf.args(bucket)
 
     def kv_bucket(self, kv_len: int) -> int:
         """Blocks in the table a graph sees (at least 2: dynamo specializes sizes 0 and 1): on CUDA the next
@@ -215,36 +174,32 @@ class GraphRunner:
         buckets = {self.kv_bucket(n * self.block_size) for n in range(1, self.max_blocks + 1)}
         return sorted(buckets if self.cuda_graphs else {min(buckets), max(buckets)})
 
-    def _graph(self, what: str, batch: int, q: int):
-        key = (what, batch, q)
+    def _graph(self, key: tuple):
         if key not in self.graphs:
-            self.graphs[key] = self._build(what, batch, q)
+            self.graphs[key] = self._build(*key)
         return self.graphs[key]
 
-    def _fused_step(self, what: str, batch: int, q: int):
+    def _fused_step(self, what: str, q: int):
         from mtpserve.spec_decode.fused import fused_step
-        return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, batch, q, q - 1,
+        return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, q, q - 1,
                           what == "fused_sampled", self.spec.draft_sampling, self.spec.verification,
                           len(self.mtp_caches), static=self.compiled)
 
-    def _build(self, what, batch, q):
-        if not self.compiled:   # (eager: the fused step as it is, fed fresh tensors, _load)
-            return self._fused_step(what, batch, q), None
+    def _build(self, what: str, batch: int, q: int):
+        """The graph of `what` over `batch` rows of q tokens (eager: the fused step, for any batch)."""
+        if not self.compiled:   # (eager: the fused step as it is, fed fresh tensors)
+            return self._fused_step(what, q), None
         dev, cfg = self.device, self.model.config
-        fused = what.startswith("fused")
-        buf = StaticInputs(torch.zeros(batch * q, dtype=torch.long, device=dev),
-                           torch.zeros(batch * q, dtype=torch.long, device=dev),
-                           torch.zeros(batch, dtype=torch.long, device=dev),
-                           torch.full((batch * q,), -1, dtype=torch.long, device=dev),
-                           torch.zeros(batch, self.max_blocks, dtype=torch.long, device=dev))
+        buf = StaticInputs.allocate(batch, q, self.max_blocks, dev)
         if what.startswith("mtp"):
-            buf.prev_hidden = torch.zeros(batch * q, cfg.hidden_size, dtype=self._dtype(), device=dev)
+            buf.prev_hidden = torch.zeros(batch * q, cfg.hidden_size, dtype=next(self.model.parameters()).dtype,
+                                          device=dev)
             buf.output_index = torch.arange(batch, device=dev) * q if self.indexed(what, q) else None
-        if fused:
-            step = self._fused_step(what, batch, q)
-            buf.sampling = self._sampling_buffers(batch, q - 1) if what == "fused_sampled" else []
+        if what.startswith("fused"):
+            step = self._fused_step(what, q)
+            buf.sampling = sampling_buffers(batch, q - 1, cfg.vocab_size, dev) if what == "fused_sampled" else []
         else:
-            step = self._pass_step(what, batch, q)
+            step = self._pass_step(what, q)
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.
         code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")
@@ -262,32 +217,20 @@ class GraphRunner:
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
 
-    def _pass_step(self, what: str, batch: int, q: int):
-        """One model pass: the main model ("main") or MTP layer j ("mtp{j}") over `batch` rows of q tokens."""
-        query_start_loc = torch.arange(batch + 1, device=self.device) * q
-        model, main_caches, mtp_caches, block_size = self.model, self.main_caches, self.mtp_caches, self.block_size
+    def _pass_step(self, what: str, q: int):
+        """One model pass: the main model ("main") or MTP layer j ("mtp{j}") over rows of q tokens."""
+        device, model, main_caches, mtp_caches = self.device, self.model, self.main_caches, self.mtp_caches
+        block_size = self.block_size
         layer = None if what == "main" else int(what.removeprefix("mtp"))
 
         def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden, output_index):
             max_seq_len = block_tables.shape[1] * block_size
+            query_start_loc = torch.arange(seq_lens.shape[0] + 1, device=device) * q
             meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
             if layer is None:
                 return model(input_ids, positions, meta, main_caches)
             return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
         return step
-
-    def _sampling_buffers(self, batch: int, k: int) -> list[torch.Tensor]:
-        """The sampled fused step's further inputs, initially what the warm-up's padding rows run with: greedy
-        (temperature, top_k, top_p, min_p), no penalties (repetition, frequency, presence, seen, counts), noise 1,
-        uniform 0, no row coupled, no draft distributions."""
-        dev, vocab = self.device, self.model.config.vocab_size
-        return ([torch.full((batch,), v, device=dev) for v in (0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0)]
-                + [torch.zeros(batch, vocab, dtype=torch.bool, device=dev), torch.zeros(batch, vocab, device=dev),
-                   torch.ones(batch, 2 * k + 1, vocab, device=dev), torch.zeros(batch, k, device=dev),
-                   torch.zeros(batch, dtype=torch.bool, device=dev), torch.zeros(batch, k, vocab, device=dev)])
-
-    def _dtype(self):
-        return next(self.model.parameters()).dtype
 
     def warm_up(self, shapes: list[tuple[str, int]]) -> None:
         """Builds the graph of every (what, query length) in `shapes` for every batch size (background mode: as
@@ -297,4 +240,4 @@ class GraphRunner:
             return
         for b in self.batch_sizes:
             for what, q in shapes:
-                self._graph(what, b, q)
+                self._graph((what, b, q))

@@ -33,9 +33,8 @@ from mtpserve.spec_decode.verifier import stack_draft_probs
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 
 
-def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: int, k_next: int,
-               sampled: bool = False, draft_sampling: str = "greedy", verification: str = "token",
-               chain_depth: int = 1, static: bool = True):
+def fused_step(model, main_caches, mtp_caches, block_size: int, q: int, k_next: int, sampled: bool = False,
+               draft_sampling: str = "greedy", verification: str = "token", chain_depth: int = 1, static: bool = True):
     """step(input_ids, positions, seq_lens, slot_mapping, block_tables, then sampled: sampling_inputs()) ->
     (ids [batch, q + 1 + k_next]: the emitted tokens (greedy: the target's argmax at the q positions; sampled:
     -1 past the accepted ones), the accepted count, the next drafts; the drafts' distributions [batch, k_next,
@@ -44,17 +43,13 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
     drafted by the checkpoint's own MTP layers, chained (spec_decode/mtp.py, MTPProposer._chain_depth). static:
     no host branch on values (compiled; eager mode runs it with host branches, sampling/sampler.py)."""
     device = mtp_caches[0].device
-    query_start_loc = torch.arange(batch + 1, device=device) * q
-    row_start = torch.arange(batch, device=device) * q
-    one_token = torch.arange(batch + 1, device=device)
-    rows = torch.arange(batch, device=device)
     vocab = model.draft_vocab
     probabilistic = sampled and draft_sampling == "probabilistic"
 
     def penalized(x, tokens, penalties):
         """x [B, ..., V] with the requests' penalties, `tokens` [B, ..., m] generated after their output (-1:
         none)."""
-        shape = (batch,) + (1,) * (x.dim() - 2)
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2)
         return penalize_after(x, tokens, *[t.view(shape) for t in penalties[:3]],
                               *[t.view(shape + (-1,)) for t in penalties[3:]])
 
@@ -72,21 +67,23 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
         token = sample(probs, noise[:, :probs.shape[-1]])
         if vocab is None:
             return token, probs
-        full = probs.new_zeros(batch, model.config.vocab_size).index_copy(1, vocab, probs)
+        full = probs.new_zeros(probs.shape[0], model.config.vocab_size).index_copy(1, vocab, probs)
         return vocab[token], full
 
     def metadata_at(p, span, real, block_tables, max_seq_len):
         """`span` tokens per row at positions p[:, 0].. (one row per request; padding rows write nothing)."""
         block = block_tables.gather(1, p // block_size)
         slots = torch.where(real.unsqueeze(1), block * block_size + p % block_size, -1).flatten()
-        return AttentionMetadata(one_token * span, torch.where(real, p[:, -1] + 1, 0), slots, block_tables, span,
+        return AttentionMetadata(torch.arange(p.shape[0] + 1, device=device) * span, torch.where(real, p[:, -1] + 1, 0), slots, block_tables, span,
                                  max_seq_len)
 
     def step(input_ids, positions, seq_lens, slot_mapping, block_tables, temperature=None, top_k=None, top_p=None,
              min_p=None, repetition=None, frequency=None, presence=None, seen=None, counts=None, noise=None,
              uniforms=None, coupled=None, draft_probs=None):
-        max_seq_len = block_tables.shape[1] * block_size
-        meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
+        batch, max_seq_len = seq_lens.shape[0], block_tables.shape[1] * block_size   # (a graph's batch: dynamic)
+        rows = torch.arange(batch, device=device)
+        meta = AttentionMetadata(torch.arange(batch + 1, device=device) * q, seq_lens, slot_mapping, block_tables, q,
+                                 max_seq_len)
         hidden = model(input_ids, positions, meta, main_caches)
         logits = model.compute_logits(hidden)
         drafts = input_ids.view(batch, q)[:, 1:]
@@ -112,10 +109,10 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
                 emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], verification,
                                                   coupled)
             elif verification == "token":   # argmax drafts: every row coupled (verify.py)
-                emitted, accepted = verify_tokens(drafts, None, target, None, noise[:, :q], "token", [True] * batch)
+                emitted, accepted = verify_tokens(drafts, None, target, None, noise[:, :q], "token", True)
             else:   # argmax drafts, block verification: seeded rows coupled, the others need uniforms
                 emitted, accepted = verify_tokens(drafts, None, target, uniforms, noise[:, :q], "block", coupled)
-        index = row_start + accepted
+        index = rows * q + accepted
         real = seq_lens > 0
         position = positions[index]
         next_drafts, next_probs, depth_hidden = [], [], []
@@ -150,7 +147,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, batch: int, q: i
                 inputs = torch.stack(depth_hidden[-p.span:], dim=1).flatten(0, 1)
                 out = model.mtp_forward(0, tokens, at.flatten(), inputs,
                                         metadata_at(at, p.span, real, block_tables, max_seq_len), mtp_caches[0],
-                                        one_token[1:] * p.span - 1 if p.span > 1 else None)
+                                        (rows + 1) * p.span - 1 if p.span > 1 else None)
             if p.drafts:
                 add_draft(p.layer, out)
         drafted = torch.stack(next_drafts, dim=1) if next_drafts else emitted.new_zeros(batch, 0)

@@ -101,7 +101,8 @@ def _coupled(draft_tokens: Tensor, target: Tensor, noise: Tensor) -> tuple[Tenso
 
 
 def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, uniforms: Tensor | None,
-                  noise: Tensor, method: str = "token", coupled: list[bool] | None = None) -> tuple[Tensor, Tensor]:
+                  noise: Tensor, method: str = "token", coupled: list[bool] | Tensor | bool | None = None
+                  ) -> tuple[Tensor, Tensor]:
     """
     draft_tokens: [B, k] long — the drafts d_1..d_k.
     draft_probs:  [B, k, V] float — q_j, the distribution d_j was drawn from; None means the drafts were the
@@ -113,7 +114,7 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     method:       "token" (token-wise rejection sampling) or "block" (block verification, Sun et al. 2025);
                   see the module docstring for both algorithms.
     coupled:      [B] bools, rows verified by coupling (default: coupled_rows() with no seeded rows); a bool
-                  tensor inside a compiled graph (both rules computed, each row's picked).
+                  tensor inside a compiled graph (both rules computed, each row's picked); True: every row.
     Returns (output_tokens [B, k+1] long: the accepted drafts, then the one extra token, then -1 padding;
              num_accepted [B] long in [0, k]).
     """
@@ -127,6 +128,8 @@ def verify_tokens(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs
     draft_tokens = draft_tokens.long()
     rows = torch.arange(B, device=device)
 
+    if coupled is True:
+        return _coupled(draft_tokens, target, noise)
     coupled = coupled if coupled is not None else coupled_rows(draft_probs, method, [False] * B)
     per_row = torch.is_tensor(coupled)
     if not per_row and all(coupled):

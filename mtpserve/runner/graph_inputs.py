@@ -1,0 +1,88 @@
+"""A graph's inputs: static buffers of its batch, loaded with a step's rows and padding rows.
+
+Two decode rows of q = 3 tokens (a pending token and 2 drafts) at positions 7 and 12, block size 4, a table of
+4 blocks, loaded into the graph of 4 rows (the next graph size):
+    input_ids    [t7 d8 d9 | u12 e13 e14 | 0 0 0 | 0 0 0]
+    positions    [7 8 9 | 12 13 14 | 0 0 0 | 0 0 0]
+    seq_lens     [10 | 15 | 0 | 0]                    (0: a padding row, which attends to nothing)
+    slot_mapping [s7 s8 s9 | s12 s13 s14 | -1 -1 -1 | -1 -1 -1]   (-1: no KV written)
+    block_tables [[b0 b1 b2 0] [c0 c1 c2 c3] [0 0 0 0] [0 0 0 0]], cut to the bucket's columns
+"""
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+
+from mtpserve.step import Row
+
+
+def flat_rows(rows: list[Row], q: int, bucket: int, block_size: int) -> tuple[list, ...]:
+    """The rows as flat lists: token ids, positions, slots [n * q]; KV lengths [n]; block table [n * bucket]."""
+    # Index arithmetic in Python lists, one copy per tensor: per-op costs dominate a small decode step.
+    ids, positions, slots, seq_lens, tables = [], [], [], [], []
+    for r in rows:
+        ids += r.token_ids
+        positions += range(r.start, r.start + q)
+        slots += r.slots(block_size)
+        seq_lens.append(r.start + q)
+        blocks = r.block_ids[:bucket]
+        tables += blocks + [0] * (bucket - len(blocks))
+    return ids, positions, slots, seq_lens, tables
+
+
+def fresh_inputs(rows: list[Row], q: int, bucket: int, block_size: int, device) -> list[torch.Tensor]:
+    """An eager step's first five inputs as new tensors (the rotary tables are looked up once per positions
+    tensor)."""
+    ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, block_size)
+    tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return [tensor(ids), tensor(positions), tensor(seq_lens), tensor(slots), tensor(tables).view(len(rows), -1)]
+
+
+@dataclass
+class StaticInputs:
+    """A graph's input buffers (B rows of q tokens), copied into before each run."""
+    input_ids: torch.Tensor                     # [B * q]
+    positions: torch.Tensor                     # [B * q]
+    seq_lens: torch.Tensor                      # [B]  (0: a padding row)
+    slot_mapping: torch.Tensor                  # [B * q]  (-1: no KV written)
+    block_tables: torch.Tensor                  # [B, max blocks]; a graph sees the first `bucket` columns
+    prev_hidden: torch.Tensor | None = None     # MTP passes: the hidden state fed at each token [B * q, H]
+    output_index: torch.Tensor | None = None    # MTP passes over 1+k tokens: the one token per row to output [B]
+    sampling: list[torch.Tensor] | None = None  # fused steps: the sampled step's further inputs (else [])
+
+    @classmethod
+    def allocate(cls, batch: int, q: int, max_blocks: int, device) -> "StaticInputs":
+        long = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(batch * q, **long), torch.zeros(batch * q, **long), torch.zeros(batch, **long),
+                   torch.full((batch * q,), -1, **long), torch.zeros(batch, max_blocks, **long))
+
+    def load(self, rows: list[Row], q: int, bucket: int, block_size: int) -> list[torch.Tensor]:
+        """Copies the rows, then padding rows, into the buffers; returns the graph's inputs."""
+        ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, block_size)
+        batch = len(self.seq_lens)
+        pad = batch - len(rows)
+        for target, values, fill in ((self.input_ids, ids, 0), (self.positions, positions, 0),
+                                     (self.slot_mapping, slots, -1)):
+            target.copy_(torch.tensor(values + [fill] * (pad * q)))
+        self.seq_lens.copy_(torch.tensor(seq_lens + [0] * pad))
+        self.block_tables[:, :bucket].copy_(torch.tensor(tables + [0] * (pad * bucket)).view(batch, bucket))
+        return self.args(bucket)
+
+    def args(self, bucket: int, compiling: bool = False) -> list:
+        """The graph's inputs, the first `bucket` blocks of the table (compiling: its width marked dynamic)."""
+        args = [self.input_ids, self.positions, self.seq_lens, self.slot_mapping, self.block_tables[:, :bucket]]
+        args += self.sampling if self.sampling is not None else [self.prev_hidden, self.output_index]
+        # one graph for every KV bucket (a one-block table has a single bucket: dynamo specializes size 1)
+        if compiling and self.block_tables.shape[1] > 1:
+            torch._dynamo.mark_dynamic(args[4], 1)
+        return args
+
+
+def sampling_buffers(batch: int, k: int, vocab: int, device) -> list[torch.Tensor]:
+    """The sampled fused step's further inputs, initially what the warm-up's padding rows run with: greedy
+    (temperature, top_k, top_p, min_p), no penalties (repetition, frequency, presence, seen, counts), noise 1,
+    uniform 0, no row coupled, no draft distributions."""
+    return ([torch.full((batch,), v, device=device) for v in (0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0)]
+            + [torch.zeros(batch, vocab, dtype=torch.bool, device=device), torch.zeros(batch, vocab, device=device),
+               torch.ones(batch, 2 * k + 1, vocab, device=device), torch.zeros(batch, k, device=device),
+               torch.zeros(batch, dtype=torch.bool, device=device), torch.zeros(batch, k, vocab, device=device)])
