@@ -46,6 +46,22 @@ class Row:
                 for p in range(self.start, self.start + kept)] + [-1] * (len(self.token_ids) - kept)
 
 
+def flat_rows(rows: list[Row], q: int, bucket: int, block_size: int) -> tuple[list, ...]:
+    """Rows of q tokens as flat lists: token ids, positions, slots [n * q]; KV lengths [n]; block table cut or
+    padded to `bucket` blocks [n * bucket]. Rows [t5 d6 d7] at 5 and [u9 e10 e11] at 9, block size 4, bucket 3:
+    ids [t5 d6 d7 u9 e10 e11], positions [5 6 7 9 10 11], KV lengths [8 12], tables [a0 a1 0 b0 b1 b2]."""
+    # Index arithmetic in Python lists, one copy per tensor: per-op costs dominate a small decode step.
+    ids, positions, slots, seq_lens, tables = [], [], [], [], []
+    for r in rows:
+        ids += r.token_ids
+        positions += range(r.start, r.start + q)
+        slots += r.slots(block_size)
+        seq_lens.append(r.start + q)
+        blocks = r.block_ids[:bucket]
+        tables += blocks + [0] * (bucket - len(blocks))
+    return ids, positions, slots, seq_lens, tables
+
+
 @dataclass
 class StepResult:
     """What a step did for one request (the runner's output; the engine commits it)."""

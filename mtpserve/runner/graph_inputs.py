@@ -13,29 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 
-from mtpserve.step import Row
-
-
-def flat_rows(rows: list[Row], q: int, bucket: int, block_size: int) -> tuple[list, ...]:
-    """The rows as flat lists: token ids, positions, slots [n * q]; KV lengths [n]; block table [n * bucket]."""
-    # Index arithmetic in Python lists, one copy per tensor: per-op costs dominate a small decode step.
-    ids, positions, slots, seq_lens, tables = [], [], [], [], []
-    for r in rows:
-        ids += r.token_ids
-        positions += range(r.start, r.start + q)
-        slots += r.slots(block_size)
-        seq_lens.append(r.start + q)
-        blocks = r.block_ids[:bucket]
-        tables += blocks + [0] * (bucket - len(blocks))
-    return ids, positions, slots, seq_lens, tables
-
-
-def fresh_inputs(rows: list[Row], q: int, bucket: int, block_size: int, device) -> list[torch.Tensor]:
-    """An eager step's first five inputs as new tensors (the rotary tables are looked up once per positions
-    tensor)."""
-    ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, block_size)
-    tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    return [tensor(ids), tensor(positions), tensor(seq_lens), tensor(slots), tensor(tables).view(len(rows), -1)]
+from mtpserve.step import Row, flat_rows
 
 
 @dataclass

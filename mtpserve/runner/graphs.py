@@ -26,8 +26,8 @@ import torch
 import torch._dynamo
 
 from mtpserve.model.attention import AttentionMetadata
-from mtpserve.runner.graph_inputs import StaticInputs, fresh_inputs, sampling_buffers
-from mtpserve.step import Row
+from mtpserve.runner.graph_inputs import StaticInputs, sampling_buffers
+from mtpserve.step import Row, flat_rows
 
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
@@ -150,7 +150,7 @@ class GraphRunner:
         fn, buf = self._graph((what, size, q))
         bucket = self.kv_bucket(max(r.start for r in rows) + 2 * q - 1)
         inputs = (buf.load(rows, q, bucket, self.block_size) if self.compiled
-                  else fresh_inputs(rows, q, bucket, self.block_size, self.device))
+                  else self._fresh_inputs(rows, q, bucket))
         if sampling is not None and self.compiled:
             for target, value in zip(buf.sampling, sampling):   # (padding rows keep what they held: outputs dropped)
                 target[:n].copy_(value)
@@ -158,6 +158,13 @@ class GraphRunner:
         ids, probs, hidden = fn(*inputs[:5], *(sampling or []))
         hidden = hidden[:n * q].clone() if self.cuda_graphs else hidden[:n * q]   # (as run's output)
         return ids[:n].tolist(), None if probs is None else probs[:n].clone(), hidden
+
+    def _fresh_inputs(self, rows: list[Row], q: int, bucket: int) -> list[torch.Tensor]:
+        """The eager step's first five inputs as new tensors (the rotary tables are looked up once per positions
+        tensor)."""
+        ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, self.block_size)
+        tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
+        return [tensor(ids), tensor(positions), tensor(seq_lens), tensor(slots), tensor(tables).view(len(rows), -1)]
 
     def kv_bucket(self, kv_len: int) -> int:
         """Blocks in the table a graph sees (at least 2: dynamo specializes sizes 0 and 1): on CUDA the next

@@ -74,44 +74,47 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, q: int, k_next: 
         """`span` tokens per row at positions p[:, 0].. (one row per request; padding rows write nothing)."""
         block = block_tables.gather(1, p // block_size)
         slots = torch.where(real.unsqueeze(1), block * block_size + p % block_size, -1).flatten()
-        return AttentionMetadata(torch.arange(p.shape[0] + 1, device=device) * span, torch.where(real, p[:, -1] + 1, 0), slots, block_tables, span,
-                                 max_seq_len)
+        return AttentionMetadata(torch.arange(p.shape[0] + 1, device=device) * span,
+                                 torch.where(real, p[:, -1] + 1, 0), slots, block_tables, span, max_seq_len)
 
-    def step(input_ids, positions, seq_lens, slot_mapping, block_tables, temperature=None, top_k=None, top_p=None,
-             min_p=None, repetition=None, frequency=None, presence=None, seen=None, counts=None, noise=None,
-             uniforms=None, coupled=None, draft_probs=None):
-        batch, max_seq_len = seq_lens.shape[0], block_tables.shape[1] * block_size   # (a graph's batch: dynamic)
+    def accept_greedy(logits, drafts):
+        """-> (emitted [B, q]: the target's argmax at each position, accepted [B]: the leading drafts equal to it,
+        None: what drafting needs from sampling)."""
+        emitted = logits.argmax(-1).view(drafts.shape[0], q)
+        return emitted, (drafts == emitted[:, :q - 1]).long().cumprod(-1).sum(-1), None
+
+    def accept_sampled(logits, drafts, temperature, top_k, top_p, min_p, repetition, frequency, presence, seen,
+                       counts, noise, uniforms=None, coupled=None, draft_probs=None):
+        """-> (emitted [B, q]: the accepted drafts, the recovered or bonus token, then -1; accepted [B]; the
+        sampling parameters, penalties and noise the drafts are drawn with)."""
+        params = (temperature, top_k, top_p, min_p)
+        penalties = (repetition, frequency, presence, seen, counts)
+        # eagerly only when some row penalizes; a graph always runs them (with a torch.cond around them,
+        # inductor's CPU code read garbage token indices, torch 2.13)
+        if not static and not bool(((repetition != 1) | (frequency != 0) | (presence != 0)).any()):
+            penalties = None
+        scored = logits.float()
+        if penalties is not None:   # position j counts the drafts before it: [d1 d2] -> [-1 -1], [d1 -1], [d1 d2]
+            before = torch.where(torch.arange(q - 1, device=device) < torch.arange(q, device=device).unsqueeze(1),
+                                 drafts.unsqueeze(1), -1)
+            scored = penalized(scored.view(drafts.shape[0], q, -1), before, penalties).flatten(0, 1)
+        target = logits_to_probs(scored, *[t.repeat_interleave(q) for t in params], static=static)
+        target = target.view(drafts.shape[0], q, -1)
+        if not probabilistic:   # argmax drafts (a graph's buffers hold zeros); token-wise: every row coupled
+            draft_probs, coupled = None, True if verification == "token" else coupled
+        emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], verification, coupled)
+        return emitted, accepted, (params, penalties, noise)
+
+    accept = accept_sampled if sampled else accept_greedy
+
+    def step(input_ids, positions, seq_lens, slot_mapping, block_tables, *sampling):
+        batch, max_seq_len = seq_lens.shape[0], block_tables.shape[1] * block_size
         rows = torch.arange(batch, device=device)
         meta = AttentionMetadata(torch.arange(batch + 1, device=device) * q, seq_lens, slot_mapping, block_tables, q,
                                  max_seq_len)
         hidden = model(input_ids, positions, meta, main_caches)
-        logits = model.compute_logits(hidden)
-        drafts = input_ids.view(batch, q)[:, 1:]
-        params = penalties = None
-        if not sampled:
-            emitted = logits.argmax(-1).view(batch, q)
-            accepted = (drafts == emitted[:, :q - 1]).long().cumprod(-1).sum(-1)
-        else:
-            params = (temperature, top_k, top_p, min_p)
-            per_token = [t.repeat_interleave(q) for t in params]
-            penalties = (repetition, frequency, presence, seen, counts)
-            # eagerly only when some row penalizes; a graph always runs them (with a torch.cond around them,
-            # inductor's CPU code read garbage token indices, torch 2.13)
-            if not static and not bool(((repetition != 1) | (frequency != 0) | (presence != 0)).any()):
-                penalties = None
-            scored = logits.float()
-            if penalties is not None:   # position j counts the drafts before it: [d1 d2] -> [-1 -1], [d1 -1], [d1 d2]
-                before = torch.where(torch.arange(q - 1, device=device) < torch.arange(q, device=device).unsqueeze(1),
-                                     drafts.unsqueeze(1), -1)
-                scored = penalized(scored.view(batch, q, -1), before, penalties).flatten(0, 1)
-            target = logits_to_probs(scored, *per_token, static=static).view(batch, q, -1)
-            if probabilistic:
-                emitted, accepted = verify_tokens(drafts, draft_probs, target, uniforms, noise[:, :q], verification,
-                                                  coupled)
-            elif verification == "token":   # argmax drafts: every row coupled (verify.py)
-                emitted, accepted = verify_tokens(drafts, None, target, None, noise[:, :q], "token", True)
-            else:   # argmax drafts, block verification: seeded rows coupled, the others need uniforms
-                emitted, accepted = verify_tokens(drafts, None, target, uniforms, noise[:, :q], "block", coupled)
+        emitted, accepted, drawn = accept(model.compute_logits(hidden), input_ids.view(batch, q)[:, 1:], *sampling)
+        params, penalties, noise = drawn or (None, None, None)
         index = rows * q + accepted
         real = seq_lens > 0
         position = positions[index]
