@@ -111,6 +111,34 @@ def check_graph_mode(ckpt, spec, sizes, overlap=False):
     return graph
 
 
+def test_one_graph_serves_every_batch_above_few_rows(ckpt):
+    """On the CPU batches above FEW_ROWS rows share one graph per kind with a dynamic batch, unpadded (12
+    requests finishing one by one: steps of 12, 11, ... 9 rows, then fewer padded to 9): eager's tokens, greedy
+    and seeded sampling, and no recompiling."""
+    from mtpserve.model.layers import FEW_ROWS
+    from mtpserve.runner.graphs import MANY
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    prompts = [[3 + i, 7 + 2 * i, 11] for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(12)]
+    sampled = [SamplingParams(temperature=1.2, top_p=0.9, max_tokens=4 + 2 * i, ignore_eos=True, seed=i)
+               for i in range(12)]
+    eager = LLM(ckpt, speculative_config=spec, enforce_eager=True, max_num_seqs=16)
+    graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[16], max_model_len=64,
+                max_num_seqs=16)
+    graphs = graph.engine.runner.graphs
+    assert {size for _, size, _ in graphs.graphs} == {MANY}
+    compiled = counters["stats"]["unique_graphs"]
+    sizes = []
+    run_fused = graphs.run_fused
+    graphs.run_fused = lambda what, rows, *a: sizes.append(len(rows)) or run_fused(what, rows, *a)
+    for p in (params, sampled):
+        want = eager.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+        got = graph.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len({n for n in sizes if n > FEW_ROWS}) >= 3 and min(sizes) <= FEW_ROWS
+    assert counters["stats"]["unique_graphs"] == compiled, "recompiled after warm-up"
+
+
 def test_graph_mode_flags():
     """--graph-mode asks for graphs (also on the CPU), --graph-batch-sizes sets the sizes, and asking for
     graphs and for eager at once is refused."""

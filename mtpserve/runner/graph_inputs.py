@@ -34,22 +34,30 @@ class StaticInputs:
         return cls(torch.zeros(batch * q, **long), torch.zeros(batch * q, **long), torch.zeros(batch, **long),
                    torch.full((batch * q,), -1, **long), torch.zeros(batch, max_blocks, **long))
 
-    def load(self, rows: list[Row], q: int, bucket: int, block_size: int) -> list[torch.Tensor]:
-        """Copies the rows, then padding rows, into the buffers; returns the graph's inputs."""
+    def load(self, rows: list[Row], q: int, bucket: int, block_size: int, size: int) -> list[torch.Tensor]:
+        """Copies the rows, then padding rows up to `size`, into the buffers; returns the graph's inputs."""
         ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, block_size)
-        batch = len(self.seq_lens)
-        pad = batch - len(rows)
+        pad = size - len(rows)
         for target, values, fill in ((self.input_ids, ids, 0), (self.positions, positions, 0),
                                      (self.slot_mapping, slots, -1)):
-            target.copy_(torch.tensor(values + [fill] * (pad * q)))
-        self.seq_lens.copy_(torch.tensor(seq_lens + [0] * pad))
-        self.block_tables[:, :bucket].copy_(torch.tensor(tables + [0] * (pad * bucket)).view(batch, bucket))
-        return self.args(bucket)
+            target[:size * q].copy_(torch.tensor(values + [fill] * (pad * q)))
+        self.seq_lens[:size].copy_(torch.tensor(seq_lens + [0] * pad))
+        self.block_tables[:size, :bucket].copy_(torch.tensor(tables + [0] * (pad * bucket)).view(size, bucket))
+        return self.args(bucket, size)
 
-    def args(self, bucket: int, compiling: bool = False) -> list:
-        """The graph's inputs, the first `bucket` blocks of the table (compiling: its width marked dynamic)."""
-        args = [self.input_ids, self.positions, self.seq_lens, self.slot_mapping, self.block_tables[:, :bucket]]
-        args += self.sampling if self.sampling is not None else [self.prev_hidden, self.output_index]
+    def args(self, bucket: int, rows: int, compiling: bool = False, fewest_rows: int | None = None) -> list:
+        """The graph's inputs: the first `rows` rows, the first `bucket` blocks of the table. compiling: the
+        table's width marked dynamic, and with fewest_rows the batch too, from that many rows to all."""
+        size = len(self.seq_lens)
+        cut = lambda t: t if t is None or rows == size else t[:len(t) // size * rows]  # noqa: E731
+        args = [cut(self.input_ids), cut(self.positions), cut(self.seq_lens), cut(self.slot_mapping),
+                self.block_tables[:rows, :bucket]]
+        args += [cut(t) for t in self.sampling] if self.sampling is not None else [cut(self.prev_hidden),
+                                                                                   cut(self.output_index)]
+        for t in args if compiling and fewest_rows else []:   # (each input's rows: [B * q], [B], [B, ...])
+            if t is not None:
+                per_row = len(t) // rows
+                torch._dynamo.mark_dynamic(t, 0, min=fewest_rows * per_row, max=size * per_row)
         # one graph for every KV bucket (a one-block table has a single bucket: dynamo specializes size 1)
         if compiling and self.block_tables.shape[1] > 1:
             torch._dynamo.mark_dynamic(args[4], 1)

@@ -2,8 +2,10 @@
 
 A step is uniform when every row has the same number of query tokens (1 without speculation, 1+k with it).
 Its batch is padded to the next of `graph_batch_sizes`; padding rows have KV length 0 and slot -1, so they
-never read or write real KV, and their outputs are dropped. The batch is static: a graph's few-row paths (the
-linears and experts of 1-8 rows, moe.py and layers.py) unroll over its rows. The block table is cut to the
+never read or write real KV, and their outputs are dropped. Up to FEW_ROWS rows each size is a graph of its own
+(the few-row paths for linears and experts unroll over the rows: layers.py, moe.py); on the CPU one graph with a
+dynamic batch serves every batch above it, unpadded ("many"): sizes 1, 2, 4, 8, 16, 32 -> graphs b1, b2, b4, b8
+and one for 9-32 rows; 3 rows run as 4, 20 as 20. The block table is cut to the
 blocks that cover the longest row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as
 dynamic: one compiled graph per (what, batch size, query length) serves every KV length, and attention reads
 only the bucket, not all of max_model_len. Inputs are copied into static buffers (graph_inputs.py). On CUDA the
@@ -26,11 +28,13 @@ import torch
 import torch._dynamo
 
 from mtpserve.model.attention import AttentionMetadata
+from mtpserve.model.layers import FEW_ROWS
 from mtpserve.runner.graph_inputs import StaticInputs, sampling_buffers
 from mtpserve.step import Row, flat_rows
 
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
+MANY = "many"   # the batch in the key of a CPU graph of any batch above FEW_ROWS rows
 
 
 class GraphRunner:
@@ -44,7 +48,7 @@ class GraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.block_size, self.device = block_size, device
         self.max_blocks = -(-max_span // block_size)
-        self.graphs: dict[tuple, tuple] = {}    # (what, batch, query_len) -> (compiled fn, static buffers)
+        self.graphs: dict[tuple, tuple] = {}    # (what, batch or MANY, query_len) -> (compiled fn, static buffers)
         self.compile_seconds = 0.0
         self.compiled = compiled
         self.background = background
@@ -58,9 +62,14 @@ class GraphRunner:
             "guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False})   # each: compile pops)
 
     def padded_size(self, num_rows: int) -> int | None:
-        if not self.compiled:
-            return num_rows
-        return next((b for b in self.batch_sizes if b >= num_rows), None)
+        """The rows a step of num_rows runs as (None: more than the largest graph takes)."""
+        size = next((b for b in self.batch_sizes if b >= num_rows), None)
+        if not self.compiled or (size is not None and size > FEW_ROWS and not self.cuda_graphs):
+            return max(num_rows, FEW_ROWS + 1) if self.compiled else num_rows   # (the "many" graph)
+        return size
+
+    def key(self, what: str, size: int, q: int) -> tuple:
+        return what, MANY if size > FEW_ROWS and not self.cuda_graphs else size, q
 
     def indexed(self, what: str, q: int) -> bool:
         """An MTP pass over 1+k tokens per row wants one output per row (at the accepted index): its graph
@@ -74,7 +83,7 @@ class GraphRunner:
         q, size = len(rows[0].token_ids), self.padded_size(len(rows))
         return (size is not None and all(len(r.token_ids) == q for r in rows)
                 and all(len(r.block_ids) <= self.max_blocks for r in rows)
-                and self.indexed(what, q) == (output_index is not None) and self.ready((what, size, q)))
+                and self.indexed(what, q) == (output_index is not None) and self.ready(self.key(what, size, q)))
 
     def ready(self, key: tuple) -> bool:
         """The graph `key` is built; background mode queues a missing one of warm_up's."""
@@ -120,12 +129,12 @@ class GraphRunner:
         rows need (data parallel: every rank runs the largest any needs)."""
         n, q = len(rows), len(rows[0].token_ids)
         batch = batch or self.padded_size(n)
-        fn, buf = self._graph((what, batch, q))
-        inputs = buf.load(rows, q, self.kv_bucket(max(r.start for r in rows) + q), self.block_size)
+        fn, buf = self._graph(self.key(what, batch, q))
+        inputs = buf.load(rows, q, self.kv_bucket(max(r.start for r in rows) + q), self.block_size, batch)
         if buf.prev_hidden is not None:
             buf.prev_hidden[:n * q].copy_(prev_hidden)
         if buf.output_index is not None:   # padding rows read their own first token
-            buf.output_index.copy_(torch.tensor(output_index + [i * q for i in range(n, batch)]))
+            buf.output_index[:batch].copy_(torch.tensor(output_index + [i * q for i in range(n, batch)]))
         out = fn(*inputs)
         out = out[:n] if output_index is not None else out[:n * q]
         # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
@@ -138,7 +147,7 @@ class GraphRunner:
     def fused_ready(self, what: str, num_rows: int, k: int) -> bool:
         """The fused step's graph ("fused" or "fused_sampled", spec_decode/fused.py) is built for this batch size."""
         size = self.padded_size(num_rows)
-        return size is not None and self.ready((what, size, 1 + k))
+        return size is not None and self.ready(self.key(what, size, 1 + k))
 
     def run_fused(self, what: str, rows: list[Row], sampling: list[torch.Tensor] | None = None):
         """The fused step on decode rows of 1+k tokens -> (per row the emitted 1+k tokens, the accepted count
@@ -147,15 +156,15 @@ class GraphRunner:
         the leading ones of the buffers), one row per request."""
         n, q = len(rows), len(rows[0].token_ids)
         size = self.padded_size(n)
-        fn, buf = self._graph((what, size, q))
+        fn, buf = self._graph(self.key(what, size, q))
         bucket = self.kv_bucket(max(r.start for r in rows) + 2 * q - 1)
-        inputs = (buf.load(rows, q, bucket, self.block_size) if self.compiled
-                  else self._fresh_inputs(rows, q, bucket))
-        if sampling is not None and self.compiled:
-            for target, value in zip(buf.sampling, sampling):   # (padding rows keep what they held: outputs dropped)
+        if not self.compiled:
+            inputs = self._fresh_inputs(rows, q, bucket) + (sampling or [])
+        else:
+            for target, value in zip(buf.sampling, sampling or []):   # (padding rows keep theirs: outputs dropped)
                 target[:n].copy_(value)
-            sampling = buf.sampling
-        ids, probs, hidden = fn(*inputs[:5], *(sampling or []))
+            inputs = buf.load(rows, q, bucket, self.block_size, size)
+        ids, probs, hidden = fn(*inputs)
         hidden = hidden[:n * q].clone() if self.cuda_graphs else hidden[:n * q]   # (as run's output)
         return ids[:n].tolist(), None if probs is None else probs[:n].clone(), hidden
 
@@ -192,11 +201,12 @@ class GraphRunner:
                           what == "fused_sampled", self.spec.draft_sampling, self.spec.verification,
                           len(self.mtp_caches), static=self.compiled)
 
-    def _build(self, what: str, batch: int, q: int):
-        """The graph of `what` over `batch` rows of q tokens (eager: the fused step, for any batch)."""
+    def _build(self, what: str, rows: int | str, q: int):
+        """The graph of `what` over `rows` rows (MANY: above FEW_ROWS) of q tokens (eager: the fused step)."""
         if not self.compiled:   # (eager: the fused step as it is, fed fresh tensors)
             return self._fused_step(what, q), None
         dev, cfg = self.device, self.model.config
+        batch = self.batch_sizes[-1] if rows == MANY else rows
         buf = StaticInputs.allocate(batch, q, self.max_blocks, dev)
         if what.startswith("mtp"):
             buf.prev_hidden = torch.zeros(batch * q, cfg.hidden_size, dtype=next(self.model.parameters()).dtype,
@@ -209,7 +219,7 @@ class GraphRunner:
             step = self._pass_step(what, q)
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.
-        code = step.__code__.replace(co_name=f"graph_{what}_b{batch}_q{q}")
+        code = step.__code__.replace(co_name=f"graph_{what}_b{rows}_q{q}")
         fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
                                               step.__closure__))
         start = time.perf_counter()
@@ -218,9 +228,9 @@ class GraphRunner:
         buckets = self.warm_up_buckets()
         # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
-            for bucket in buckets:
-                fn(*buf.args(bucket, compiling=True))
-                fn(*buf.args(bucket, compiling=True))
+            for bucket in buckets:   # (the many-row graph: compiled at its most rows, then run at its fewest)
+                fn(*buf.args(bucket, batch, compiling=True, fewest_rows=FEW_ROWS + 1 if rows == MANY else None))
+                fn(*buf.args(bucket, FEW_ROWS + 1 if rows == MANY else batch, compiling=True))
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
 
@@ -245,6 +255,5 @@ class GraphRunner:
         self.shapes = set(shapes)
         if self.background:
             return
-        for b in self.batch_sizes:
-            for what, q in shapes:
-                self._graph((what, b, q))
+        for key in dict.fromkeys(self.key(what, b, q) for b in self.batch_sizes for what, q in shapes):
+            self._graph(key)
