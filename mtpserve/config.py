@@ -226,7 +226,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None          # None -> sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.2     # of free memory (CUDA) / of total RAM (CPU), capped by need
     enforce_eager: bool | None = None         # None: graphs on CUDA, eager on CPU (compiling takes minutes there)
-    graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])   # graph mode's sizes
+    graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])   # graph mode's sizes (CPU:
+    #                                          a graph each up to 8 rows, one with a dynamic batch above)
     compile_in_background: bool = False       # graph mode, CPU: ready at once; each graph compiled when first needed
     speculative: SpeculativeConfig | None = None   # speculative_config (a dict in LLM / from_kwargs); None: off
     seed: int = 0                             # the engine's random stream (unseeded requests)
