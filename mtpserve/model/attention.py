@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mtpserve.config import ModelConfig
 from mtpserve.model.ops import opaque_op
@@ -111,7 +112,9 @@ def small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm, except for a small product in a CPU graph (a verify step's attention at small batch): a
     broadcast product summed over the shared dimension, which inductor fuses with its neighbours into one
     kernel (the A/B is in docs/history.md)."""
-    if torch.compiler.is_compiling() and a.device.type == "cpu" and a.shape[0] * a.shape[1] <= SMALL_BMM_ROWS:
+    # (statically_known_true: a graph with a dynamic batch takes bmm unless every batch it serves is small)
+    if (torch.compiler.is_compiling() and a.device.type == "cpu"
+            and statically_known_true(a.shape[0] * a.shape[1] <= SMALL_BMM_ROWS)):
         return (a.unsqueeze(-1) * b.unsqueeze(1)).sum(2)
     return torch.bmm(a, b)
 

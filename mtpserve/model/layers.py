@@ -4,6 +4,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mtpserve.config import ModelConfig
 from mtpserve.model.fp8 import Fp8Weight, weight_of
@@ -57,7 +58,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if isinstance(weight, Fp8Weight):   # FP8 in memory: dequantized for this product only
         weight = weight.dequantize(x.dtype)
     rows = x.shape[0]
-    if not (0 < rows <= FEW_ROWS and x.dim() == 2 and x.device.type == "cpu"):
+    # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
+    if not (statically_known_true(0 < rows) and statically_known_true(rows <= FEW_ROWS) and x.dim() == 2
+            and x.device.type == "cpu"):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])
