@@ -5,13 +5,12 @@ Its batch is padded to the next of `graph_batch_sizes`; padding rows have KV len
 never read or write real KV, and their outputs are dropped. Up to FEW_ROWS rows each size is a graph of its own
 (the few-row paths for linears and experts unroll over the rows: layers.py, moe.py); on the CPU one graph with a
 dynamic batch serves every batch above it, unpadded ("many"): sizes 1, 2, 4, 8, 16, 32 -> graphs b1, b2, b4, b8
-and one for 9-32 rows; 3 rows run as 4, 20 as 20. The block table is cut to the
-blocks that cover the longest row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as
-dynamic: one compiled graph per (what, batch size, query length) serves every KV length, and attention reads
-only the bucket, not all of max_model_len. Inputs are copied into static buffers (graph_inputs.py). On CUDA the
-compiled step is captured as CUDA graphs (torch.compile "reduce-overhead"; one per KV bucket, recorded at
-warm-up); on the CPU it is an inductor-compiled kernel. Anything else (prefill chunks, batches above the largest
-size) runs eagerly in the same loop.
+and one for 9-32 rows; 3 rows run as 4, 20 as 20. The block table is cut to the blocks that cover the longest
+row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as dynamic: one compiled graph serves
+every KV length, and attention reads only the bucket, not all of max_model_len. Inputs are copied into static
+buffers (graph_inputs.py). On CUDA the compiled step is captured as CUDA graphs (torch.compile
+"reduce-overhead"; one per KV bucket, recorded at warm-up); on the CPU it is an inductor-compiled kernel.
+Anything else (prefill chunks, batches above the largest size) runs eagerly in the same loop.
 
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
 queues its graph for a compiler thread and runs eagerly, as do the steps after it until the graph is built:
@@ -63,13 +62,17 @@ class GraphRunner:
 
     def padded_size(self, num_rows: int) -> int | None:
         """The rows a step of num_rows runs as (None: more than the largest graph takes)."""
+        if not self.compiled:
+            return num_rows
         size = next((b for b in self.batch_sizes if b >= num_rows), None)
-        if not self.compiled or (size is not None and size > FEW_ROWS and not self.cuda_graphs):
-            return max(num_rows, FEW_ROWS + 1) if self.compiled else num_rows   # (the "many" graph)
-        return size
+        return max(num_rows, FEW_ROWS + 1) if size is not None and self._many(size) else size
 
     def key(self, what: str, size: int, q: int) -> tuple:
-        return what, MANY if size > FEW_ROWS and not self.cuda_graphs else size, q
+        return what, MANY if self._many(size) else size, q
+
+    def _many(self, size: int) -> bool:
+        """A batch of `size` rows runs the CPU graph of any batch above FEW_ROWS rows."""
+        return size > FEW_ROWS and not self.cuda_graphs
 
     def indexed(self, what: str, q: int) -> bool:
         """An MTP pass over 1+k tokens per row wants one output per row (at the accepted index): its graph
