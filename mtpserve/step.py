@@ -1,4 +1,4 @@
-"""A step's data, flowing one way: the scheduler's plan for each request (ScheduledRequest), the rows the model
+"""A step's data, flowing one way: the scheduler's plan (StepPlan, a ScheduledRequest each), the rows the model
 runs (Row), what the runner returns for each request (StepResult), which the engine commits.
 
 Request "a" at 5, pending t5, drafts [d6, d7]:
@@ -19,7 +19,7 @@ class ScheduledRequest:
     start: int                   # position of the first query token (= tokens already in the KV cache)
     num_new_tokens: int          # known tokens computed this step (a prompt chunk, or the pending token)
     draft_token_ids: list[int]   # drafts verified after them (only when the request samples this step)
-    num_next_drafts: int = 0     # drafts to propose for its next step (the engine's policy sets it: plan_drafts)
+    num_next_drafts: int = 0     # drafts to propose for its next step (the scheduler's policy sets it)
 
     @property
     def samples(self) -> bool:
@@ -28,6 +28,15 @@ class ScheduledRequest:
     @property
     def num_query_tokens(self) -> int:
         return self.num_new_tokens + len(self.draft_token_ids)
+
+
+@dataclass
+class StepPlan:
+    """The scheduler's plan: the requests, the drafts every one proposes (spec_decode/adaptive.py decides), and
+    the batch size when the step is steady (each verifies and drafts that k: adaptive k times it), else None."""
+    scheduled: list[ScheduledRequest]
+    num_next_drafts: int
+    steady_batch: int | None = None
 
 
 @dataclass

@@ -11,16 +11,13 @@ from tiny_models import random_checkpoint
 
 
 def forcing(ks: list[int], hold: int = 1):
-    """plan_drafts forcing the k of `ks` in turn, round and round, step after step (the switches under test),
+    """AdaptiveK.choose_for forcing the k of `ks` in turn, round and round, step after step (the switches under test),
     each k for `hold` steps."""
     steps = iter(range(10**9))
 
-    def plan(policy, scheduled):
-        k = ks[next(steps) // hold % len(ks)]
-        for s in scheduled:
-            s.num_next_drafts = k
-        return k
-    return plan
+    def choose_for(policy, scheduled):
+        return ks[next(steps) // hold % len(ks)]
+    return choose_for
 
 
 def cycling(k_max: int, hold: int = 1):
@@ -37,7 +34,7 @@ def test_greedy_and_seeded_identical_while_k_switches(trained1, monkeypatch, tig
     base = [o.outputs[0].token_ids for o in LLM(trained1, **kw).generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
     llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, **kw)
-    monkeypatch.setattr(adaptive, "plan_drafts", cycling(3))
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", cycling(3))
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
     m = llm.get_metrics()
@@ -63,7 +60,7 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
         runner = llm.engine.runner
         if noise:
             fill_mtp_caches_with_noise(llm)
-        monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 1, 2, 3, 0, 0, 3, 2, 0, 1]))
+        monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", forcing([0, 1, 2, 3, 0, 0, 3, 2, 0, 1]))
         passes, forward = Counter(), runner.proposer.forward
         runner.proposer.forward = lambda what, *a, **kw: passes.update([what]) or forward(what, *a, **kw)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
@@ -79,7 +76,7 @@ def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeyp
     drafting none, both layers write their KV only. Greedy tokens stay those of no speculation. (The separate
     path: fused_graph_step false; the fused decode step follows the same rule, test_graph_mode_fused_steps_...)"""
     llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True, "fused_graph_step": False})
-    monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=2))
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", cycling(2, hold=2))
     runner = llm.engine.runner
     steps, forward, execute = [], runner.proposer.forward, runner.execute
 
@@ -112,7 +109,7 @@ def test_steps_drafting_nothing_write_the_mtp_kv(trained1, monkeypatch, tight):
         llm = LLM(trained1, speculative_config=spec, **kw)
         if noise:
             fill_mtp_caches_with_noise(llm)
-        monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 0, 1, 0, 0, 3, 2]))
+        monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", forcing([0, 0, 0, 1, 0, 0, 3, 2]))
         drafts = recording_drafts(llm)
         outs = llm.generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], drafts))
@@ -161,7 +158,7 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     for each in ([params[0]] * 4, [params[0], params[1]] * 2):
         runs = []
         for llm in (plain, eager, graph):
-            monkeypatch.setattr(adaptive, "plan_drafts", cycling(2, hold=3))
+            monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", cycling(2, hold=3))
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=each, use_tqdm=False)
             runs.append([o.outputs[0].token_ids for o in outs])
         assert runs[0] == runs[1] == runs[2]
@@ -237,7 +234,7 @@ def test_sampling_lossless_while_k_switches(tmp_path_factory, monkeypatch):
     joint = exact_joint(path, prompt, params, 2)
     llm = LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": True}, max_num_seqs=512,
               max_num_batched_tokens=4096, seed=11)
-    monkeypatch.setattr(adaptive, "plan_drafts", cycling(2))
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", cycling(2))
     outs = []
     for _ in range(6):   # several batches: each starts at a different k of the cycle
         outs += llm.generate(prompt_token_ids=[prompt] * (num // 6), sampling_params=params, use_tqdm=False)

@@ -121,7 +121,7 @@ def test_only_steady_steps_are_timed():
     """A step is timed when every request verifies k drafts and drafts k (the table's shape)."""
     from types import SimpleNamespace as NS
     step = [NS(samples=True, num_new_tokens=1, draft_token_ids=[1, 2]) for _ in range(3)]
-    assert AdaptiveK(3).steady(step, 2) == 3
-    assert AdaptiveK(3).steady(step, 1) is None
+    assert adaptive.steady_batch(step, 2) == 3
+    assert adaptive.steady_batch(step, 1) is None
     step[0].num_new_tokens = 5
-    assert AdaptiveK(3).steady(step, 2) is None
+    assert adaptive.steady_batch(step, 2) is None

@@ -72,9 +72,9 @@ MIXED = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperat
          max_num_batched_tokens=8, num_kv_blocks=24, block_size=4),
 ], ids=["mtp_k3_chunked_preempted", "mtp_k1_batch_expansion", "no_spec", "fp8_in_memory", "adaptive_k_forced"])
 def test_tp2_matches_one_process(ckpt, kw, monkeypatch):
-    def force_k():   # (plan_drafts runs on the front only; the workers get each step's k with its batch)
+    def force_k():   # (the policy runs on the front only; the workers get each step's k with its batch)
         if (kw["speculative_config"] or {}).get("adaptive"):
-            monkeypatch.setattr(adaptive, "plan_drafts", forcing([0, 0, 1, 0, 0, 3, 2]))
+            monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", forcing([0, 0, 1, 0, 0, 3, 2]))
     force_k()
     one = reference(ckpt, **kw)
     tokens_one, metrics_one = run(one, MIXED)

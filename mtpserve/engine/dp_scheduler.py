@@ -7,12 +7,13 @@ step schedules every scheduler, and the executor hands each rank its part (idle 
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.request import Request
-from mtpserve.step import ScheduledRequest
+from mtpserve.spec_decode.adaptive import FixedK
+from mtpserve.step import StepPlan
 
 
 class DataParallelScheduler:
-    def __init__(self, schedulers: list[Scheduler]):
-        self.schedulers = schedulers
+    def __init__(self, schedulers: list[Scheduler], policy: FixedK):
+        self.schedulers, self.policy = schedulers, policy   # (one k for every rank's requests)
 
     @property
     def block_manager(self) -> BlockManager:   # (every scheduler has as many blocks)
@@ -43,8 +44,8 @@ class DataParallelScheduler:
     def has_unfinished(self) -> bool:
         return any(scheduler.has_unfinished() for scheduler in self.schedulers)
 
-    def schedule(self) -> list[ScheduledRequest]:
-        return [s for scheduler in self.schedulers for s in scheduler.schedule()]
+    def schedule(self) -> StepPlan:
+        return self.policy.plan([s for scheduler in self.schedulers for s in scheduler.schedule_requests()])
 
     def computed(self, req: Request) -> None:
         self.schedulers[req.dp_rank].computed(req)

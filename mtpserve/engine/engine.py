@@ -39,13 +39,15 @@ class LLMEngine:
         self.model = self.runner.model
         self.device, self.dtype = self.runner.device, setup.dtype
         min_last_chunk = self.runner.proposer.min_last_chunk() if self.runner.proposer else 1
+        self.policy = adaptive.make_policy(cfg.speculative)   # how many drafts each step proposes
         # (a block's MTP KV depends on as many tokens after it as MTP layers are chained: kv_cache.py)
         self.schedulers = [Scheduler(BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                                   len(self.runner.mtp_caches)),
                                      cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_lookahead_slots,
-                                     min_last_chunk)
+                                     min_last_chunk, self.policy)
                            for _ in range(cfg.data_parallel_size)]   # one per data-parallel rank
-        self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
+        self.scheduler = (self.schedulers[0] if len(self.schedulers) == 1
+                          else DataParallelScheduler(self.schedulers, self.policy))
         self.block_manager = self.scheduler.block_manager   # (rank 0's under data parallelism)
         self.use_graphs = self.runner.graphs is not None
         self.graph_warmup_seconds = self.runner.graphs.compile_seconds if self.use_graphs else 0.0
@@ -57,7 +59,6 @@ class LLMEngine:
                         len(self.runner.graphs.graphs), cfg.graph_batch_sizes,
                         ", every k up to num_speculative_tokens: speculative_config \"adaptive\": false builds one"
                         if cfg.speculative and cfg.speculative.adaptive else "", self.graph_warmup_seconds, cache_dir())
-        self.policy = adaptive.make_policy(cfg.speculative)   # how many drafts each step proposes
         self.spec_metrics = SpecDecodeMetrics(self.policy.max_k)
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -159,24 +160,22 @@ class LLMEngine:
         flight, results, progressed, appended = done
         outputs = self._finish_outputs(progressed, appended)
         # (the whole call: the forward and the engine's own work on the step)
-        self.policy.observe(flight.steady_batch, results, flight.k_next, time.perf_counter() - started)
+        self.policy.observe(flight.plan, results, time.perf_counter() - started)
         return outputs
 
     def _launch(self) -> Flight | None:
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
             return None
         now = time.monotonic()
-        for s in scheduled:
+        for s in plan.scheduled:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
-        k_next = adaptive.plan_drafts(self.policy, scheduled)
-        steady = self.policy.steady(scheduled, k_next)
         if self._model_thread is None:
             results = Future()
-            results.set_result(self._execute_isolating(scheduled))
+            results.set_result(self._execute_isolating(plan.scheduled))
         else:   # the step reads copies: the engine changes the requests while it runs
-            results = self._model_thread.submit(self._execute_isolating, snapshot(scheduled))
-        return Flight(scheduled, k_next, steady, results)
+            results = self._model_thread.submit(self._execute_isolating, snapshot(plan.scheduled))
+        return Flight(plan, results)
 
     def _collect(self) -> tuple:
         """Applies the step in flight's results as far as the next schedule needs them (tokens, drafts, stops on
@@ -185,10 +184,10 @@ class LLMEngine:
         flight, self._in_flight = self._in_flight, None
         results = flight.results.result()
         # (overlap) finished while the step ran, by an abort or a stop string in the step before: results dropped
-        finished_before = [s.req.is_finished for s in flight.scheduled]
+        finished_before = [s.req.is_finished for s in flight.plan.scheduled]
         now = time.monotonic()
         progressed, appended = [], []
-        for s, r, gone in zip(flight.scheduled, results, finished_before):
+        for s, r, gone in zip(flight.plan.scheduled, results, finished_before):
             req = s.req
             if gone:
                 continue

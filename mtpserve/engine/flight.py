@@ -4,16 +4,13 @@ import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from mtpserve.step import ScheduledRequest
+from mtpserve.step import ScheduledRequest, StepPlan
 
 
 @dataclass
 class Flight:
-    """A step handed to the model: what was scheduled, the k it drafts and whether it is steady (adaptive k:
-    the policy's steady), its results to come."""
-    scheduled: list[ScheduledRequest]
-    k_next: int | None
-    steady_batch: int | None
+    """A step handed to the model: the scheduler's plan, its results to come."""
+    plan: StepPlan
     results: Future
 
 

@@ -2,20 +2,23 @@
 
 Running requests go first (FCFS), then waiting ones, within a token budget per step. Prompts longer than
 what is left of the budget are split into chunks (chunked prefill) and mixed with decodes. A decoding
-request with drafts is scheduled with 1 + k query tokens (its pending token and the k drafts). When KV
-blocks run out, the newest running request is preempted: its blocks are freed and it is recomputed later.
+request with drafts is scheduled with 1 + k query tokens (its pending token and the k drafts); the policy
+(spec_decode/adaptive.py) decides how many drafts the step proposes. When KV blocks run out, the newest running
+request is preempted: its blocks are freed and it is recomputed later.
 """
 from collections import deque
 
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.request import Request, RequestStatus
-from mtpserve.step import ScheduledRequest
+from mtpserve.spec_decode.adaptive import FixedK
+from mtpserve.step import ScheduledRequest, StepPlan
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_lookahead_slots: int, min_last_chunk: int = 1):
+                 num_lookahead_slots: int, min_last_chunk: int = 1, policy: FixedK = FixedK(0)):
         self.block_manager = block_manager
+        self.policy = policy                             # how many drafts a step proposes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead_slots = num_lookahead_slots   # KV slots the MTP draft passes write ahead
@@ -38,7 +41,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledRequest]:
+    def schedule(self) -> StepPlan:
+        return self.policy.plan(self.schedule_requests())
+
+    def schedule_requests(self) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
         scheduled = []
         prefilling = {r.parent_id for r in self.running if self.block_manager.enable_caching

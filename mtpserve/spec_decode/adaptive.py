@@ -1,25 +1,22 @@
-"""Adaptive speculation length: at scheduling time each step picks how many tokens its requests draft for
-their next step, k in [0, max_k], the k with the most expected tokens per second.
+"""How many drafts a step proposes: a fixed k (FixedK), or adaptive k in [0, max_k] (AdaptiveK), chosen when the
+scheduler plans the step, as the k with the most expected tokens per second:
 
-    rate(k, batch) = E[tokens | k] / seconds(k, batch)
-    E[tokens | k]  = 1 + c1 + c1*c2 + ... + c1*...*ck
+    rate(k, batch) = E[tokens | k] / seconds(k, batch),    E[tokens | k] = 1 + c1 + c1*c2 + ... + c1*...*ck
 
-c_j is the acceptance of draft j given drafts 1..j-1 were accepted: decayed counts over the drafts verified so
-far, from a prior worth PRIOR_WEIGHT drafts (position 1: PRIOR_ACCEPTANCE; deeper: the estimate one before).
-A request with r tokens left counts at most r - 1 drafts. seconds(k, batch) is the start-up calibration's table
-(spec_decode/calibration.py), linear in the batch size between the sizes timed, times the drift: the median ratio
-of the last steady steps' times to the table's (the machine's speed changes, the table's shape much less).
-Worked row, acceptance [0.8, 0.5], table at batch 1 {0: 1.0, 1: 1.1, 2: 1.2} ms:
-    E = [1, 1.8, 2.2] tokens  ->  rate = [1.00, 1.64, 1.83] tokens/ms  ->  k = 2
-The k in use is kept unless another is SWITCH_MARGIN better; every EXPLORE_EVERY-th step drafts one more than
-the best, so that the next position's acceptance stays measured (k = 0 would never learn that drafts pay).
-Uncalibrated, the policy drafts max_k. Verification is lossless whatever k is: only the number of drafts changes.
+c_j: acceptance of draft j once 1..j-1 were accepted (decayed counts, from a prior; a deeper position starts from
+the one before). seconds: the start-up calibration's table (calibration.py), linear in the batch between the sizes
+timed, times the drift (median ratio of the last steady steps' times to the table's). Worked row, acceptance
+[0.8, 0.5], table at batch 1 {0: 1.0, 1: 1.1, 2: 1.2} ms: E = [1, 1.8, 2.2] -> rate = [1.00, 1.64, 1.83] -> k = 2.
+The k in use stays unless another is SWITCH_MARGIN better; every EXPLORE_EVERY-th step drafts one more than the
+best (k = 0 would never learn that drafts pay). Uncalibrated, max_k. Any k is lossless: only the drafts change.
 """
 import bisect
 import logging
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from mtpserve.step import StepPlan
 
 logger = logging.getLogger("mtpserve")
 
@@ -32,17 +29,21 @@ DRIFT_STEPS = 16                            # steady steps whose time ratios to 
 
 @dataclass
 class FixedK:
-    """The policy of a fixed speculation length (and of none: max_k = 0): every step drafts max_k."""
+    """Every step drafts max_k (no speculation: max_k = 0)."""
     max_k: int
     adapts = False
+
+    def plan(self, scheduled) -> StepPlan:
+        """The step's plan: every request drafts the k chosen for the batch."""
+        k = self.choose_for(scheduled)
+        for s in scheduled:
+            s.num_next_drafts = k
+        return StepPlan(scheduled, k, steady_batch(scheduled, k) if self.adapts else None)
 
     def choose_for(self, scheduled) -> int:
         return self.max_k
 
-    def steady(self, scheduled, k: int) -> None:
-        return None   # (nothing is timed)
-
-    def observe(self, steady: int | None, results, k: int, seconds: float) -> None:
+    def observe(self, plan: StepPlan, results, seconds: float) -> None:
         pass
 
     def log(self, batch: int) -> None:
@@ -53,8 +54,7 @@ class FixedK:
 
 
 @dataclass
-class AdaptiveK:
-    max_k: int
+class AdaptiveK(FixedK):
     adapts = True
     table: dict = field(default_factory=dict)       # k -> {batch size: calibrated step seconds}
     drift: deque = field(default_factory=lambda: deque(maxlen=DRIFT_STEPS))
@@ -63,7 +63,6 @@ class AdaptiveK:
     current: int | None = None
     forced: int | None = None                       # (calibration) the k to draft, whatever the rates say
     choices: list[int] = field(default_factory=list)     # steps that drafted each k
-    steps: int = 0
     last_step: tuple | None = None                  # (batch, k, seconds) of the last steady step
 
     def __post_init__(self):
@@ -81,6 +80,14 @@ class AdaptiveK:
         if self.table:
             self.drift.append(seconds / at_batch(self.table[k], batch))
 
+    def observe(self, plan: StepPlan, results, seconds: float) -> None:
+        """The acceptance of the drafts a step verified; its time, when it was steady."""
+        for r in results:
+            if not isinstance(r, Exception) and r.num_drafts:
+                self.observe_verification(r.num_drafts, r.num_accepted)
+        if plan.steady_batch is not None:
+            self.observe_step(plan.steady_batch, plan.num_next_drafts, seconds)
+
     def acceptance(self) -> list[float]:
         out, prior = [], PRIOR_ACCEPTANCE
         for a, r in zip(self.accepted, self.reached):
@@ -97,8 +104,7 @@ class AdaptiveK:
         return total
 
     def seconds(self, batch: int, k: int) -> float:
-        drift = statistics.median(self.drift) if self.drift else 1.0
-        return at_batch(self.table[k], batch) * drift
+        return at_batch(self.table[k], batch) * (statistics.median(self.drift) if self.drift else 1.0)
 
     def rates(self, batch: int, rooms: list[int] | None = None) -> list[float]:
         """Expected tokens per second per request for k = 0..max_k (rooms: the requests' tokens left). A step with
@@ -107,54 +113,45 @@ class AdaptiveK:
         out, most = [], 0.0
         for k in range(self.max_k + 1):
             most = max(most, self.seconds(batch, k))
-            tokens = sum(n * self.expected_tokens(k, room) for room, n in rooms.items()) / rooms.total()
-            out.append(tokens / most)
+            out.append(sum(n * self.expected_tokens(k, room) for room, n in rooms.items()) / rooms.total() / most)
         return out
 
     def choose(self, batch: int, rooms: list[int] | None = None) -> int:
         """k for the next step of a batch of this size."""
-        if not self.table:
-            best = self.max_k
-        else:
+        best = self.max_k
+        if self.table:
             rates = self.rates(batch, rooms)
             best = max(range(self.max_k + 1), key=rates.__getitem__)
             if self.current is not None and rates[self.current] * (1 + SWITCH_MARGIN) >= rates[best]:
                 best = self.current
         self.current = best
-        self.steps += 1
-        k = min(best + 1, self.max_k) if self.steps % EXPLORE_EVERY == 0 else best
+        k = min(best + 1, self.max_k) if sum(self.choices) % EXPLORE_EVERY == EXPLORE_EVERY - 1 else best
         self.choices[k] += 1
         return k
 
     def choose_for(self, scheduled) -> int:
-        """k for a step's drafting (the next step's verification)."""
-        if self.forced is not None:
-            return self.forced
-        if any(s.req.hold_kv for s in scheduled):   # (a prefill side's hand-off carries every draft and MTP KV)
-            return self.max_k
-        # (a request sampling this step takes at least one token in it)
+        """k for a step's drafting (the next step's verification). A prefill side's hand-off carries every draft;
+        a request sampling this step takes at least one token in it."""
+        if self.forced is not None or any(s.req.hold_kv for s in scheduled):
+            return self.max_k if self.forced is None else self.forced
         rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
         return self.choose(len(scheduled), [min(r, self.max_k + 1) for r in rooms if r > 0])
 
-    def steady(self, scheduled, k: int) -> int | None:
-        """The batch size if every request verifies k drafts and drafts k (the shape the table is keyed on)."""
-        if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
-            return len(scheduled)
-        return None
-
-    def observe(self, steady: int | None, results, k: int, seconds: float) -> None:
-        """The acceptance of the drafts a step verified; its time, when it was steady (self.steady)."""
-        for r in results:
-            if not isinstance(r, Exception) and r.num_drafts:
-                self.observe_verification(r.num_drafts, r.num_accepted)
-        if steady is not None:
-            self.observe_step(steady, k, seconds)
-
     def log(self, batch: int) -> None:
-        logger.info(describe(self, batch))
+        rates = ", ".join(f"{k}: {r:.0f}" for k, r in enumerate(self.rates(batch))) if self.table else "uncalibrated"
+        logger.info("adaptive speculation: k = %s at batch %d; expected tokens/s by k {%s}, acceptance by position "
+                    "[%s], steps by k %s", self.current, batch, rates,
+                    ", ".join(f"{c:.2f}" for c in self.acceptance()), self.choices)
 
     def metrics(self) -> dict:
         return {"draft_steps_by_k": list(self.choices)}   # steps that drafted k tokens, k = 0..max_k
+
+
+def steady_batch(scheduled, k: int) -> int | None:
+    """The batch size if every request verifies k drafts and drafts k (the shape the table is keyed on)."""
+    if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
+        return len(scheduled)
+    return None
 
 
 def at_batch(by_batch: dict, batch: int) -> float:
@@ -168,23 +165,7 @@ def at_batch(by_batch: dict, batch: int) -> float:
     return max(by_batch[lo] + (by_batch[hi] - by_batch[lo]) * (batch - lo) / (hi - lo), 1e-9)
 
 
-def describe(policy: AdaptiveK, batch: int) -> str:
-    """The policy's view at this batch size, for the log."""
-    rates = ", ".join(f"{k}: {r:.0f}" for k, r in enumerate(policy.rates(batch))) if policy.table else "uncalibrated"
-    accept = ", ".join(f"{c:.2f}" for c in policy.acceptance())
-    return (f"adaptive speculation: k = {policy.current} at batch {batch}; expected tokens/s by k {{{rates}}}, "
-            f"acceptance by position [{accept}], steps by k {policy.choices}")
-
-
-def make_policy(spec) -> FixedK | AdaptiveK:
+def make_policy(spec) -> FixedK:
     """spec: the SpeculativeConfig (None: no speculation, a fixed k of 0)."""
     k = spec.num_speculative_tokens if spec is not None else 0
     return AdaptiveK(k) if spec is not None and spec.adaptive else FixedK(k)
-
-
-def plan_drafts(policy, scheduled) -> int:
-    """Picks k for this step's drafting (the next step's verification) and sets it on every request."""
-    k = policy.choose_for(scheduled)
-    for s in scheduled:
-        s.num_next_drafts = k
-    return k

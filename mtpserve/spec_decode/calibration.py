@@ -1,10 +1,9 @@
-"""Start-up calibration of adaptive speculation length (spec_decode/adaptive.py): the table of step seconds by
-(k, batch size), from real decode steps timed by the engine's own loop. LLM and `mtpserve serve` call it
-(LLMEngine.calibrate) once the engine is built.
+"""Start-up calibration of adaptive k (adaptive.py): step seconds by (k, batch size), timed on real decode steps
+of the engine's own loop. LLM and `mtpserve serve` call it (LLMEngine.calibrate) once the engine is built.
 
-At batch sizes 1, 4, 16 and up to 64, the k take turns, each held for three steps, the third timed (the first
-verifies the k before; the second runs right after a switch):
-    k: 0 0 0* 1 1 1* 2 2 2* 0 0 0* ...      (* timed; one untimed turn first warms up)
+At batch sizes 1, 4, 16 and up to 64 the k take turns, each held for three steps, the third timed (the first
+verifies the k before, the second runs right after a switch); one untimed turn warms up:
+    k: 0 0 0* 1 1 1* 2 2 2* 0 0 0* ...
 """
 import logging
 import statistics
@@ -22,18 +21,19 @@ HOLD = 3
 
 
 def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int = 96) -> None:
-    started = time.monotonic()
-    gen = torch.Generator().manual_seed(0)
-    block_size = engine.config.block_size
+    started, gen, block_size = time.monotonic(), torch.Generator().manual_seed(0), engine.config.block_size
     room = min(engine.max_model_len, engine.block_manager.num_blocks * block_size) - engine.max_step_overshoot
     prompt_len = max(1, min(prompt_len, room // 4))
-    max_tokens = max(1, min(max_tokens, room - prompt_len))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    per_request = -(-(prompt_len + max_tokens + engine.max_step_overshoot) // block_size)
+    params = SamplingParams(temperature=0.0, max_tokens=max(1, min(max_tokens, room - prompt_len)), ignore_eos=True)
+    per_request = -(-(prompt_len + params.max_tokens + engine.max_step_overshoot) // block_size)
     most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request,   # (no preemption)
                       engine.config.max_num_batched_tokens // (1 + policy.max_k)))         # (one step at every k)
     turn = [k for k in range(policy.max_k + 1) for _ in range(HOLD)]
     times = {k: {} for k in range(policy.max_k + 1)}
+
+    def enough(batch):
+        return all(len(by_batch.get(batch, ())) >= TIMED_PER_K for by_batch in times.values())
+
     for batch in sorted({1, min(4, most), min(16, most), min(64, most)}):
         step = 0
         for attempt in range(4):   # (a fresh set of requests when the last ends before every k is timed)
@@ -42,27 +42,22 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
                 for rid in ids:
                     prompt = torch.randint(engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
                     engine.add_request(rid, None, prompt, params)
-                while engine.has_unfinished_requests() and not _enough(times, batch):
+                while engine.has_unfinished_requests() and not enough(batch):
                     policy.forced, policy.last_step = turn[step % len(turn)], None
                     engine.step()
-                    timed = step >= len(turn) and step % HOLD == HOLD - 1
-                    if timed and policy.last_step is not None and policy.last_step[0] == batch:
+                    if (step >= len(turn) and step % HOLD == HOLD - 1 and policy.last_step is not None
+                            and policy.last_step[0] == batch):
                         times[policy.forced].setdefault(batch, []).append(policy.last_step[2])
                     step += 1
             finally:
                 for rid in ids:
                     engine.abort_request(rid)
-            if _enough(times, batch):
+            if enough(batch):
                 break
     table = {k: {b: statistics.median(t) for b, t in by_batch.items()} for k, by_batch in times.items()}
-    policy.table = table if all(table.values()) else {}   # (a KV cache too small to time every k: uncalibrated)
-    policy.forced, policy.current, policy.choices = None, None, [0] * (policy.max_k + 1)
-    policy.reached, policy.accepted = [0.0] * policy.max_k, [0.0] * policy.max_k
+    fresh = AdaptiveK(policy.max_k, table=table if all(table.values()) else {})   # (too few KV blocks: uncalibrated)
+    vars(policy).update(vars(fresh))
     engine.reset_stats()
     logger.info("adaptive speculation: step costs calibrated in %.1fs (ms by k, then batch size): %s",
                 time.monotonic() - started,
                 {k: {b: round(s * 1e3, 2) for b, s in sorted(t.items())} for k, t in policy.table.items()})
-
-
-def _enough(times: dict, batch: int) -> bool:
-    return all(len(by_batch.get(batch, ())) >= TIMED_PER_K for by_batch in times.values())

@@ -92,7 +92,7 @@ class MTPProposer:
         return first + ([("mtp0", 1)] if shared_depths else [])
 
     def next_k(self, scheduled) -> int:
-        """Drafts this step proposes (the engine's policy set one k for every request: adaptive.plan_drafts)."""
+        """Drafts this step proposes (the scheduler's policy set one k for every request: adaptive.py)."""
         return max((s.num_next_drafts for s in scheduled if s.samples), default=0)
 
     def propose(self, scheduled, hidden, offsets, new_tokens) -> list[tuple]:
@@ -176,7 +176,7 @@ class MTPProposer:
             depth_hidden.append(prev_hidden)
         if not drafting:
             return [(None, None)] * len(scheduled)
-        drafts = torch.stack(drafts, dim=1).tolist()   # (one k for the whole step: adaptive.plan_drafts)
+        drafts = torch.stack(drafts, dim=1).tolist()   # (one k for the whole step: adaptive.py)
         probs = torch.stack(draft_probs, dim=1) if draft_probs[0] is not None else [None] * len(drafting)
         found = dict(zip(drafting, zip(drafts, probs)))
         return [found.get(i, (None, None)) for i in range(len(scheduled))]
