@@ -39,6 +39,28 @@ class StepPlan:
     steady_batch: int | None = None
 
 
+@dataclass(frozen=True, repr=False)
+class Pass:
+    """A forward the runner runs as one function (a graph in graph mode): the main model, MTP layer `layer`, or
+    the fused decode step (verify 1+k tokens, accept, draft k; `sampled` when a row samples or penalizes)."""
+    kind: str               # "main", "mtp" or "fused"
+    layer: int = 0          # (mtp) which of the checkpoint's MTP layers
+    sampled: bool = False   # (fused)
+
+    def __str__(self) -> str:   # (graph names, logs, pass counts)
+        return {"main": "main", "mtp": f"mtp{self.layer}", "fused": "fused_sampled" if self.sampled else "fused"}[
+            self.kind]
+
+    __repr__ = __str__
+
+
+MAIN, FUSED, FUSED_SAMPLED = Pass("main"), Pass("fused"), Pass("fused", sampled=True)
+
+
+def mtp_layer(j: int) -> Pass:
+    return Pass("mtp", j)
+
+
 @dataclass
 class Row:
     """Consecutive query tokens of one request, starting at `start`; `block_ids` is its block table.

@@ -62,7 +62,7 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
             fill_mtp_caches_with_noise(llm)
         monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", forcing([0, 1, 2, 3, 0, 0, 3, 2, 0, 1]))
         passes, forward = Counter(), runner.proposer.forward
-        runner.proposer.forward = lambda what, *a, **kw: passes.update([what]) or forward(what, *a, **kw)
+        runner.proposer.forward = lambda what, *a, **kw: passes.update([str(what)]) or forward(what, *a, **kw)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], llm.get_metrics()["accepted_per_position"]))
         assert passes["mtp0"] == passes["mtp1"] == passes["mtp2"] > 0   # every own layer, every step
@@ -81,7 +81,7 @@ def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeyp
     steps, forward, execute = [], runner.proposer.forward, runner.execute
 
     def recorded(what, rows, prev_hidden, output_index=None):
-        steps[-1][1].append((what, None if output_index is None else len(output_index)))
+        steps[-1][1].append((str(what), None if output_index is None else len(output_index)))
         return forward(what, rows, prev_hidden, output_index=output_index)
 
     def executed(scheduled):
@@ -165,7 +165,7 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
         counts = graph.engine.runner.pass_counts
         assert counts["fused_sampled" if each[1].seed else "fused"] > 0
     assert drafts[0] == drafts[1] and len(drafts[0]) > 50
-    assert {what for what, _, q in graph.engine.runner.graphs.graphs if what.startswith("fused")} == {
+    assert {str(which) for which, _, q in graph.engine.runner.graphs.graphs if which.kind == "fused"} == {
         "fused", "fused_sampled"}
     assert set(fused_ks) == {(0, 0), (1, 1), (2, 2)}   # k = 0 (plain decoding with the MTP KV passes) fused too
 

@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from mtpserve import LLM, SamplingParams
+from mtpserve.step import FUSED
 from tiny_models import trained_checkpoint
 
 # 3 requests with different lengths: the decode batch shrinks 3 -> 2 -> 1, hitting graph size 2 exactly (sizes
@@ -47,11 +48,11 @@ def test_graph_mode_two_mtp_layers(ckpt2):
     spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
     graph = check_graph_mode(ckpt2, spec, [4])
     graphs = graph.engine.runner.graphs
-    assert {what for what, _, _ in graphs.graphs} == {"main", "fused", "fused_sampled", "mtp0", "mtp1"}
+    assert {str(which) for which, _, _ in graphs.graphs} == {"main", "fused", "fused_sampled", "mtp0", "mtp1"}
     assert graph.get_metrics()["acceptance_rate"] > 0.3
     passes = []
     original = graphs.run
-    graphs.run = lambda what, *args, **kwargs: passes.append(what) or original(what, *args, **kwargs)
+    graphs.run = lambda which, *args, **kwargs: passes.append(str(which)) or original(which, *args, **kwargs)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logit_bias={7: 2.0}, logprobs=2)
               for n in (14, 9, 5)]
     eager = LLM(ckpt2, speculative_config=spec, enforce_eager=True)
@@ -204,12 +205,12 @@ def test_compile_in_background_serves_at_once_then_runs_the_graph(ckpt):
     want = [o.outputs[0].token_ids for o in eager.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params,
                                                             use_tqdm=False)]
     deadline = time.monotonic() + 600
-    while ("fused", 1, 2) not in graphs.graphs:
+    while (FUSED, 1, 2) not in graphs.graphs:
         got = graph.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == want
         assert time.monotonic() < deadline, "the background compiler built nothing in 600 s"
         time.sleep(0.5)
-    assert ("fused", 1, 2) in graphs._queued and all(q <= 2 for _, _, q in graphs._queued)
+    assert (FUSED, 1, 2) in graphs._queued and all(q <= 2 for _, _, q in graphs._queued)
     runs = []
     run_fused = graphs.run_fused
     graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)

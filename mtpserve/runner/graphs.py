@@ -29,7 +29,7 @@ import torch._dynamo
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.model.layers import FEW_ROWS
 from mtpserve.runner.graph_inputs import StaticInputs, sampling_buffers
-from mtpserve.step import Row, flat_rows
+from mtpserve.step import Pass, Row, flat_rows
 
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
@@ -47,11 +47,11 @@ class GraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.block_size, self.device = block_size, device
         self.max_blocks = -(-max_span // block_size)
-        self.graphs: dict[tuple, tuple] = {}    # (what, batch or MANY, query_len) -> (compiled fn, static buffers)
+        self.graphs: dict[tuple, tuple] = {}    # (Pass, batch or MANY, query_len) -> (compiled fn, static buffers)
         self.compile_seconds = 0.0
         self.compiled = compiled
         self.background = background
-        self.shapes: set[tuple[str, int]] = set()   # (what, query length) graphs are built for (warm_up)
+        self.shapes: set[tuple[Pass, int]] = set()   # (pass, query length) graphs are built for (warm_up)
         self._queued: set[tuple] = set()
         self._to_compile: queue.Queue = queue.Queue()   # keys, then None: stop
         self._compiler: threading.Thread | None = None
@@ -67,26 +67,26 @@ class GraphRunner:
         size = next((b for b in self.batch_sizes if b >= num_rows), None)
         return max(num_rows, FEW_ROWS + 1) if size is not None and self._many(size) else size
 
-    def key(self, what: str, size: int, q: int) -> tuple:
-        return what, MANY if self._many(size) else size, q
+    def key(self, which: Pass, size: int, q: int) -> tuple:
+        return which, MANY if self._many(size) else size, q
 
     def _many(self, size: int) -> bool:
         """A batch of `size` rows runs the CPU graph of any batch above FEW_ROWS rows."""
         return size > FEW_ROWS and not self.cuda_graphs
 
-    def indexed(self, what: str, q: int) -> bool:
+    def indexed(self, which: Pass, q: int) -> bool:
         """An MTP pass over 1+k tokens per row wants one output per row (at the accepted index): its graph
         writes KV for every token but runs the layer for that token alone. Own layers chained (one MTP cache
         per layer) output every token: the next layer reads them all (spec_decode/mtp.py)."""
-        return what != "main" and q > 1 and len(self.mtp_caches) == 1
+        return which.kind == "mtp" and q > 1 and len(self.mtp_caches) == 1
 
-    def fits(self, what: str, rows: list[Row], output_index: list[int] | None = None) -> bool:
+    def fits(self, which: Pass, rows: list[Row], output_index: list[int] | None = None) -> bool:
         """Rows fit a built graph: same query length everywhere, a batch size that pads to one, a shape start-up
         builds (a prefill batch of equal-length chunks is not: it runs eagerly; nothing is compiled for it)."""
         q, size = len(rows[0].token_ids), self.padded_size(len(rows))
         return (size is not None and all(len(r.token_ids) == q for r in rows)
                 and all(len(r.block_ids) <= self.max_blocks for r in rows)
-                and self.indexed(what, q) == (output_index is not None) and self.ready(self.key(what, size, q)))
+                and self.indexed(which, q) == (output_index is not None) and self.ready(self.key(which, size, q)))
 
     def ready(self, key: tuple) -> bool:
         """The graph `key` is built; background mode queues a missing one of warm_up's."""
@@ -125,14 +125,14 @@ class GraphRunner:
             self._to_compile.put(None)
             self._compiler.join(timeout)
 
-    def run(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
+    def run(self, which: Pass, rows: list[Row], prev_hidden: torch.Tensor | None = None,
             output_index: list[int] | None = None, batch: int | None = None) -> torch.Tensor:
-        """what: "main" or "mtp{layer}". Returns hidden states for the real rows' tokens in order, or for
+        """which: the main model or an MTP layer. Returns hidden states for the real rows' tokens in order, or for
         `output_index` (one flat token index per row; indexed graphs only). batch: a larger graph than the
         rows need (data parallel: every rank runs the largest any needs)."""
         n, q = len(rows), len(rows[0].token_ids)
         batch = batch or self.padded_size(n)
-        fn, buf = self._graph(self.key(what, batch, q))
+        fn, buf = self._graph(self.key(which, batch, q))
         inputs = buf.load(rows, q, self.kv_bucket(max(r.start for r in rows) + q), self.block_size, batch)
         if buf.prev_hidden is not None:
             buf.prev_hidden[:n * q].copy_(prev_hidden)
@@ -147,19 +147,19 @@ class GraphRunner:
         """The block table reaches every position a fused step of k drafts writes (2k past the pending token)."""
         return all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled)
 
-    def fused_ready(self, what: str, num_rows: int, k: int) -> bool:
-        """The fused step's graph ("fused" or "fused_sampled", spec_decode/fused.py) is built for this batch size."""
+    def fused_ready(self, which: Pass, num_rows: int, k: int) -> bool:
+        """The fused step's graph (FUSED or FUSED_SAMPLED, spec_decode/fused.py) is built for this batch size."""
         size = self.padded_size(num_rows)
-        return size is not None and self.ready(self.key(what, size, 1 + k))
+        return size is not None and self.ready(self.key(which, size, 1 + k))
 
-    def run_fused(self, what: str, rows: list[Row], sampling: list[torch.Tensor] | None = None):
+    def run_fused(self, which: Pass, rows: list[Row], sampling: list[torch.Tensor] | None = None):
         """The fused step on decode rows of 1+k tokens -> (per row the emitted 1+k tokens, the accepted count
         and k next drafts (one host sync); the drafts' distributions [rows, k, V] or None; the main model's
         hidden states [rows * (1+k), H]). sampling: the sampled step's further inputs (fused.sampling_inputs,
         the leading ones of the buffers), one row per request."""
         n, q = len(rows), len(rows[0].token_ids)
         size = self.padded_size(n)
-        fn, buf = self._graph(self.key(what, size, q))
+        fn, buf = self._graph(self.key(which, size, q))
         bucket = self.kv_bucket(max(r.start for r in rows) + 2 * q - 1)
         if not self.compiled:
             inputs = self._fresh_inputs(rows, q, bucket) + (sampling or [])
@@ -198,31 +198,30 @@ class GraphRunner:
             self.graphs[key] = self._build(*key)
         return self.graphs[key]
 
-    def _fused_step(self, what: str, q: int):
+    def _fused_step(self, which: Pass, q: int):
         from mtpserve.spec_decode.fused import fused_step
-        return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, q, q - 1,
-                          what == "fused_sampled", self.spec.draft_sampling, self.spec.verification,
+        return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, q, q - 1, which.sampled, self.spec.draft_sampling, self.spec.verification,
                           len(self.mtp_caches), static=self.compiled)
 
-    def _build(self, what: str, rows: int | str, q: int):
-        """The graph of `what` over `rows` rows (MANY: above FEW_ROWS) of q tokens (eager: the fused step)."""
+    def _build(self, which: Pass, rows: int | str, q: int):
+        """The graph of `which` over `rows` rows (MANY: above FEW_ROWS) of q tokens (eager: the fused step)."""
         if not self.compiled:   # (eager: the fused step as it is, fed fresh tensors)
-            return self._fused_step(what, q), None
+            return self._fused_step(which, q), None
         dev, cfg = self.device, self.model.config
         batch = self.batch_sizes[-1] if rows == MANY else rows
         buf = StaticInputs.allocate(batch, q, self.max_blocks, dev)
-        if what.startswith("mtp"):
+        if which.kind == "mtp":
             buf.prev_hidden = torch.zeros(batch * q, cfg.hidden_size, dtype=next(self.model.parameters()).dtype,
                                           device=dev)
-            buf.output_index = torch.arange(batch, device=dev) * q if self.indexed(what, q) else None
-        if what.startswith("fused"):
-            step = self._fused_step(what, q)
-            buf.sampling = sampling_buffers(batch, q - 1, cfg.vocab_size, dev) if what == "fused_sampled" else []
+            buf.output_index = torch.arange(batch, device=dev) * q if self.indexed(which, q) else None
+        if which.kind == "fused":
+            step = self._fused_step(which, q)
+            buf.sampling = sampling_buffers(batch, q - 1, cfg.vocab_size, dev) if which.sampled else []
         else:
-            step = self._pass_step(what, q)
+            step = self._pass_step(which, q)
         # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
         # only entry of its cache and needs no guards to be told apart from the others.
-        code = step.__code__.replace(co_name=f"graph_{what}_b{rows}_q{q}")
+        code = step.__code__.replace(co_name=f"graph_{which}_b{rows}_q{q}")
         fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
                                               step.__closure__))
         start = time.perf_counter()
@@ -237,11 +236,11 @@ class GraphRunner:
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
 
-    def _pass_step(self, what: str, q: int):
-        """One model pass: the main model ("main") or MTP layer j ("mtp{j}") over rows of q tokens."""
+    def _pass_step(self, which: Pass, q: int):
+        """One model pass: the main model or an MTP layer over rows of q tokens."""
         device, model, main_caches, mtp_caches = self.device, self.model, self.main_caches, self.mtp_caches
         block_size = self.block_size
-        layer = None if what == "main" else int(what.removeprefix("mtp"))
+        layer = None if which.kind == "main" else which.layer
 
         def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden, output_index):
             max_seq_len = block_tables.shape[1] * block_size
@@ -252,11 +251,11 @@ class GraphRunner:
             return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
         return step
 
-    def warm_up(self, shapes: list[tuple[str, int]]) -> None:
-        """Builds the graph of every (what, query length) in `shapes` for every batch size (background mode: as
+    def warm_up(self, shapes: list[tuple[Pass, int]]) -> None:
+        """Builds the graph of every (pass, query length) in `shapes` for every batch size (background mode: as
         steps first need them)."""
         self.shapes = set(shapes)
         if self.background:
             return
-        for key in dict.fromkeys(self.key(what, b, q) for b in self.batch_sizes for what, q in shapes):
+        for key in dict.fromkeys(self.key(which, b, q) for b in self.batch_sizes for which, q in shapes):
             self._graph(key)

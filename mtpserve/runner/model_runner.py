@@ -12,7 +12,7 @@ from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode import fused
 from mtpserve.spec_decode.proposer import make_proposer, proposer_class
 from mtpserve.spec_decode.verifier import Verifier
-from mtpserve.step import Row, StepResult
+from mtpserve.step import FUSED, FUSED_SAMPLED, MAIN, Pass, Row, StepResult
 
 
 def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
@@ -40,7 +40,7 @@ class ModelRunner:
         if graph_batch_sizes:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
                                       max_span, device, spec, background=compile_in_background)
-        self.pass_counts = Counter()   # forwards run: "main", "mtp" and (DP) their dummies
+        self.pass_counts = Counter()   # forwards run: "main", "mtp", "fused", "fused_sampled", (DP) dummies
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device)
@@ -52,50 +52,50 @@ class ModelRunner:
         self.fused_eager = GraphRunner(model, self.main_caches, self.mtp_caches, [], block_size, max_span, device,
                                        spec, compiled=False) if fuses else None
 
-    def forward(self, what: str, rows: list[Row], prev_hidden: torch.Tensor | None = None,
+    def forward(self, which: Pass, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
-        """Runs the main model ("main") or MTP layer j ("mtp{j}") on rows: a graph when the rows are uniform
+        """Runs the main model (MAIN) or an MTP layer (mtp_layer(j)) on rows: a graph when the rows are uniform
         and fit one, else eagerly. Returns hidden states of every token, or of `output_index` (MTP only)."""
-        self.pass_counts["main" if what == "main" else "mtp"] += 1
-        if self.graphs is not None and self.graphs.fits(what, rows, output_index):
-            return self.graphs.run(what, rows, prev_hidden, output_index)
-        return self._eager(what, rows, prev_hidden, output_index)
+        self.pass_counts[which.kind] += 1
+        if self.graphs is not None and self.graphs.fits(which, rows, output_index):
+            return self.graphs.run(which, rows, prev_hidden, output_index)
+        return self._eager(which, rows, prev_hidden, output_index)
 
-    def _eager(self, what, rows, prev_hidden, output_index):
+    def _eager(self, which: Pass, rows, prev_hidden, output_index):
         input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
-        if what == "main":
+        if which.kind == "main":
             return self.model(input_ids, positions, meta, self.main_caches)
-        layer = int(what.removeprefix("mtp"))
         index = None if output_index is None else torch.tensor(output_index, dtype=torch.long, device=self.device)
-        return self.model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, self.mtp_caches[layer], index)
+        return self.model.mtp_forward(which.layer, input_ids, positions, prev_hidden, meta,
+                                      self.mtp_caches[which.layer], index)
 
     def warm_up_graphs(self) -> float:
         """Compiles/captures every graph now (start-up); returns the seconds it took."""
         if self.graphs is None:
             return 0.0
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
-        shapes = [("main", 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
+        shapes = [(MAIN, 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
         if self.fused_graphs is not None:
             for k in verified:   # (adaptive k: 0 too, plain decoding with the MTP layers' KV passes)
-                shapes += [("fused", 1 + k), ("fused_sampled", 1 + k)]
+                shapes += [(FUSED, 1 + k), (FUSED_SAMPLED, 1 + k)]
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
         return self.graphs.compile_seconds
 
-    def _fused_step(self, what: str, scheduled) -> list[StepResult]:
+    def _fused_step(self, which: Pass, scheduled) -> list[StepResult]:
         k = len(scheduled[0].draft_token_ids)
         rows = [Row(s.req.all_token_ids[s.start:s.start + 1] + s.draft_token_ids, s.start, s.req.block_ids)
                 for s in scheduled]
         self.pass_counts["main"] += 1
         self.pass_counts["mtp"] += self.proposer.num_passes(scheduled)
-        self.pass_counts[what] += 1
+        self.pass_counts[str(which)] += 1
         sampling = None
-        if what == "fused_sampled":
+        if which.sampled:
             sampling = fused.sampling_inputs(self.spec, [s.req for s in scheduled],
                                              [s.draft_token_ids for s in scheduled], self.model.config.vocab_size,
                                              self.generator, self.device)
         graphs = self.fused_graphs
-        steps = graphs if graphs is not None and graphs.fused_ready(what, len(scheduled), k) else self.fused_eager
-        outs, probs, hidden = steps.run_fused(what, rows, sampling)
+        steps = graphs if graphs is not None and graphs.fused_ready(which, len(scheduled), k) else self.fused_eager
+        outs, probs, hidden = steps.run_fused(which, rows, sampling)
         new_tokens = [out[:out[1 + k] + 1] for out in outs]
         scores = logprobs.read(self.model, scheduled, hidden, [i * (1 + k) for i in range(len(outs))], new_tokens)
         return [StepResult(tokens, num_drafts=k, num_accepted=len(tokens) - 1, next_drafts=out[k + 2:] or None,
@@ -104,9 +104,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (step.py)
-        fused_what = fused.fused_graph(self, scheduled)
-        if fused_what is not None:
-            return self._fused_step(fused_what, scheduled)
+        fused_pass = fused.fused_graph(self, scheduled)
+        if fused_pass is not None:
+            return self._fused_step(fused_pass, scheduled)
         rows, offsets = [], [0]   # offsets[i]: where request i's tokens start in the flat batch
         pad_to = self._graph_query_len(scheduled)
         for s in scheduled:
@@ -118,7 +118,7 @@ class ModelRunner:
             else:
                 rows.append(Row(tokens, s.start, s.req.block_ids))
             offsets.append(offsets[-1] + max(len(tokens), pad_to))
-        hidden = self.forward("main", rows)
+        hidden = self.forward(MAIN, rows)
         # each stage reads what the ones before returned: the emitted tokens, then their logprobs, the next drafts
         emitted = (self._sample([i for i, s in enumerate(scheduled) if s.samples and not s.draft_token_ids],
                                 scheduled, hidden, offsets)

@@ -31,6 +31,7 @@ from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, logits
 from mtpserve.spec_decode.mtp import mtp_passes
 from mtpserve.spec_decode.verifier import stack_draft_probs
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
+from mtpserve.step import FUSED, FUSED_SAMPLED, Pass
 
 
 def fused_step(model, main_caches, mtp_caches, block_size: int, q: int, k_next: int, sampled: bool = False,
@@ -184,9 +185,9 @@ def sampling_inputs(spec, reqs, drafts: list[list[int]], vocab_size: int, genera
     return inputs + [uniforms, coupled] + ([] if draft_probs is None else [draft_probs])
 
 
-def fused_graph(runner, scheduled) -> str | None:
-    """The fused step this step can run as (its graph, or eagerly: ModelRunner._fused_step): "fused" when every
-    request is greedy without penalties, "fused_sampled" when some sample or penalize; None when some request is
+def fused_graph(runner, scheduled) -> Pass | None:
+    """The fused step this step can run as (its graph, or eagerly: ModelRunner._fused_step): FUSED when every
+    request is greedy without penalties, FUSED_SAMPLED when some sample or penalize; None when some request is
     not decoding k drafts into k drafts (one pending token plus k drafts verified, k drafted next; adaptive k = 0
     has a graph of its own; a step changing k runs the graphs apart) or is handed over or held for a hand-off."""
     if not scheduled or runner.fused_eager is None:
@@ -194,8 +195,8 @@ def fused_graph(runner, scheduled) -> str | None:
     k = len(scheduled[0].draft_token_ids)
     if not all(_decodes(s, k) and s.num_next_drafts == k for s in scheduled):
         return None
-    what = "fused" if all(s.req.params.greedy and not s.req.params.penalizes for s in scheduled) else "fused_sampled"
-    return what if runner.fused_eager.covers_drafts(scheduled, k) else None
+    which = FUSED if all(s.req.params.greedy and not s.req.params.penalizes for s in scheduled) else FUSED_SAMPLED
+    return which if runner.fused_eager.covers_drafts(scheduled, k) else None
 
 
 def _decodes(s, k: int) -> bool:

@@ -23,7 +23,7 @@ import torch
 
 from mtpserve.sampling import processors
 from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
-from mtpserve.step import Row
+from mtpserve.step import Row, mtp_layer
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class MTPProposer:
     fuses_with_verification = True   # graph mode: its drafting runs in the fused step's graph (spec_decode/fused.py)
 
     def __init__(self, spec, model, forward, generator, device, static_shapes: bool = False):
-        """forward(what, rows, prev_hidden) runs "mtp{layer}" on rows (graph or eager) -> hidden per token.
+        """forward(mtp_layer(j), rows, prev_hidden) runs MTP layer j on rows (graph or eager) -> hidden per token.
         static_shapes: graph mode, whose first pass always covers 1+k tokens per request."""
         self.model, self.spec, self.forward, self.generator, self.device = model, spec, forward, generator, device
         self.static_shapes = static_shapes
@@ -87,9 +87,9 @@ class MTPProposer:
         own layers."""
         chained, verified = self._chain_depth() > 1, self.spec.verified_draft_counts
         first = ([] if chained and len(verified) > 1 else
-                 [(f"mtp{j}", 1 + v) for j in range(self._chain_depth()) for v in verified])
+                 [(mtp_layer(j), 1 + v) for j in range(self._chain_depth()) for v in verified])
         shared_depths = self.spec.num_speculative_tokens > self._chain_depth() + chained
-        return first + ([("mtp0", 1)] if shared_depths else [])
+        return first + ([(mtp_layer(0), 1)] if shared_depths else [])
 
     def next_k(self, scheduled) -> int:
         """Drafts this step proposes (the scheduler's policy set one k for every request: adaptive.py)."""
@@ -151,21 +151,21 @@ class MTPProposer:
                 step_rows = [self._chain_row(t, r, j, s.samples) for t, r, s in zip(known, rows, scheduled)]
                 inputs = chain_hidden if p.chained else main
                 if p.outputs == "all":
-                    chain_hidden = self.forward(f"mtp{j}", step_rows, inputs)
+                    chain_hidden = self.forward(mtp_layer(j), step_rows, inputs)
                     prev_hidden = chain_hidden[[last[i] for i in drafting]]
                 elif p.outputs == "index":
                     index = None if static and chained else last
-                    out = self.forward(f"mtp{j}", step_rows, inputs, output_index=index)
+                    out = self.forward(mtp_layer(j), step_rows, inputs, output_index=index)
                     prev_hidden = (out[last] if index is None else out)[drafting]
                 else:   # KV only (an indexed graph still outputs one token per row)
-                    self.forward(f"mtp{j}", step_rows, inputs, output_index=last if static and not chained else [])
+                    self.forward(mtp_layer(j), step_rows, inputs, output_index=last if static and not chained else [])
             else:   # layer 0, `span` tokens up to the next position, fed the previous depths' drafts and outputs
                 tokens = torch.stack(drafts[-p.span:], dim=1).tolist()
                 step_rows = [Row(t, at + j - p.span + 1, scheduled[i].req.block_ids)
                              for i, t, at in zip(drafting, tokens, accepted_at)]
                 inputs = torch.stack(depth_hidden[-p.span:], dim=1).flatten(0, 1)
                 outputs = [p.span * (n + 1) - 1 for n in range(len(drafting))] if p.span > 1 else None
-                prev_hidden = self.forward("mtp0", step_rows, inputs, output_index=outputs)
+                prev_hidden = self.forward(mtp_layer(0), step_rows, inputs, output_index=outputs)
             if not p.drafts:
                 continue
             if generated is not None and j:

@@ -8,6 +8,8 @@ the output stays exactly the target model's. A request with no match verifies no
 """
 import numpy as np
 
+from mtpserve.step import MAIN
+
 
 def find_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int] | None:
     """The k tokens after the most recent earlier occurrence of tokens' last n tokens, for the largest n in
@@ -59,7 +61,7 @@ class NgramProposer:
         return 1
 
     def graph_shapes(self) -> list[tuple[str, int]]:
-        return [("main", 1)]   # a request without a match decodes one token
+        return [(MAIN, 1)]   # a request without a match decodes one token
 
     def propose(self, scheduled, hidden, offsets, new_tokens) -> list[tuple]:
         """Per request, (next drafts, None): a continuation for one that sampled this step and whose context

@@ -11,7 +11,7 @@ verification of drafts (spec_decode/verify.py) is the same for all of them.
         propose(scheduled, hidden, offsets, new_tokens) -> per request (next drafts | None, their probs | None)
         num_passes(scheduled) -> int        # model passes propose() runs (data-parallel ranks agree on them)
         min_last_chunk() -> int             # prompt tokens the last chunk of a chunked prompt must keep
-        graph_shapes() -> list[(what, tokens per request)]   # graphs it runs, to compile at start-up
+        graph_shapes() -> list[(Pass, tokens per request)]   # graphs it runs, to compile at start-up
 """
 from mtpserve.spec_decode.mtp import MTPProposer
 from mtpserve.spec_decode.ngram import NgramProposer
@@ -25,7 +25,7 @@ def proposer_class(spec):
 
 
 def make_proposer(spec, model, forward, generator, device, static_shapes: bool):
-    """forward(what, rows, prev_hidden, output_index): the runner's forward (for drafters that run a model).
+    """forward(pass, rows, prev_hidden, output_index): the runner's forward (for drafters that run a model).
     static_shapes: graph mode (a drafter's passes keep the shapes its graphs were compiled for)."""
     cls = proposer_class(spec)
     return None if cls is None else cls(spec, model=model, forward=forward, generator=generator, device=device,
