@@ -38,7 +38,7 @@ class FixedK:
         k = self.choose_for(scheduled)
         for s in scheduled:
             s.num_next_drafts = k
-        return StepPlan(scheduled, k, steady_batch(scheduled, k) if self.adapts else None)
+        return StepPlan(scheduled, k)
 
     def choose_for(self, scheduled) -> int:
         return self.max_k
@@ -69,6 +69,12 @@ class AdaptiveK(FixedK):
         self.reached = self.reached or [0.0] * self.max_k
         self.accepted = self.accepted or [0.0] * self.max_k
         self.choices = self.choices or [0] * (self.max_k + 1)
+
+    def plan(self, scheduled) -> StepPlan:
+        """The plan, with the batch size when the step is steady (the steps whose times the table follows)."""
+        plan = super().plan(scheduled)
+        plan.steady_batch = steady_batch(scheduled, plan.num_next_drafts)
+        return plan
 
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
         for j in range(min(num_drafts, num_accepted + 1)):   # the positions reached
