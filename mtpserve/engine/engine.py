@@ -271,7 +271,8 @@ class LLMEngine:
         """Ends a request the engine failed, and its siblings (the n completions of one prompt)."""
         for sibling in self.children.get(req.parent_id, [req]):
             if not sibling.is_finished:
-                sibling.error = f"{type(error).__name__}: {error}" if error is not None else "a sibling completion failed"
+                sibling.error = (f"{type(error).__name__}: {error}" if error is not None
+                                 else "a sibling completion failed")
                 self.scheduler.finish(sibling, "error")
                 sibling.metrics.finished_time = now
         req.error = req.error or "a sibling completion failed"

@@ -200,8 +200,8 @@ class GraphRunner:
 
     def _fused_step(self, which: Pass, q: int):
         from mtpserve.spec_decode.fused import fused_step
-        return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, q, q - 1, which.sampled, self.spec.draft_sampling, self.spec.verification,
-                          len(self.mtp_caches), static=self.compiled)
+        return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, q, q - 1, which.sampled,
+                          self.spec.draft_sampling, self.spec.verification, len(self.mtp_caches), static=self.compiled)
 
     def _build(self, which: Pass, rows: int | str, q: int):
         """The graph of `which` over `rows` rows (MANY: above FEW_ROWS) of q tokens (eager: the fused step)."""

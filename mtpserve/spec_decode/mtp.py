@@ -195,7 +195,8 @@ class MTPProposer:
         tokens = known[row.start + 1 + j:row.start + 1 + j + len(row.token_ids)]
         missing = len(row.token_ids) - len(tokens)
         if missing and not samples:
-            raise RuntimeError("MTP chain: a prompt chunk ends too close to the prompt's end (Scheduler.min_last_chunk)")
+            raise RuntimeError("MTP chain: a prompt chunk ends too close to the prompt's end "
+                               "(Scheduler.min_last_chunk)")
         return Row(tokens + known[-1:] * missing, row.start, row.block_ids)
 
     def num_passes(self, scheduled) -> int:
@@ -222,7 +223,8 @@ class MTPProposer:
             token = logits.argmax(-1)   # one-hot drafts: no distribution to keep
             return (token if vocab is None else vocab[token]), None
         probs = request_probs(logits, reqs, None, self.device)
-        # a seeded request's draft gets the noise its slot will be verified with (coupled verification, spec_decode/verify.py)
+        # a seeded request's draft gets the noise its slot will be verified with (coupled verification:
+        # spec_decode/verify.py)
         noise = draw([r.seed for r in reqs], positions, 1, probs.shape[-1], "exponential", TARGET_NOISE, self.generator,
                      self.device, [r.params.greedy for r in reqs])
         token = sample(probs, noise[:, 0])
