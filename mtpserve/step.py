@@ -47,9 +47,10 @@ class Pass:
     layer: int = 0          # (mtp) which of the checkpoint's MTP layers
     sampled: bool = False   # (fused)
 
-    def __str__(self) -> str:   # (graph names, logs, pass counts)
-        return {"main": "main", "mtp": f"mtp{self.layer}", "fused": "fused_sampled" if self.sampled else "fused"}[
-            self.kind]
+    def __str__(self) -> str:   # (graph names, logs, pass counts): main, mtp0, fused, fused_sampled
+        if self.kind == "mtp":
+            return f"mtp{self.layer}"
+        return "fused_sampled" if self.sampled else self.kind
 
     __repr__ = __str__
 

@@ -138,8 +138,10 @@ class AdaptiveK(FixedK):
     def choose_for(self, scheduled) -> int:
         """k for a step's drafting (the next step's verification). A prefill side's hand-off carries every draft;
         a request sampling this step takes at least one token in it."""
-        if self.forced is not None or any(s.req.hold_kv for s in scheduled):
-            return self.max_k if self.forced is None else self.forced
+        if self.forced is not None:
+            return self.forced
+        if any(s.req.hold_kv for s in scheduled):
+            return self.max_k
         rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
         return self.choose(len(scheduled), [min(r, self.max_k + 1) for r in rooms if r > 0])
 
