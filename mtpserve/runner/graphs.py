@@ -8,8 +8,9 @@ dynamic batch serves every batch above it, unpadded ("many"): sizes 1, 2, 4, 8, 
 and one for 9-32 rows; 3 rows run as 4, 20 as 20. The block table is cut to the blocks that cover the longest
 row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as dynamic: one compiled graph serves
 every KV length, and attention reads only the bucket, not all of max_model_len. Inputs are copied into static
-buffers (graph_inputs.py). On CUDA the compiled step is captured as CUDA graphs (torch.compile
-"reduce-overhead"; one per KV bucket, recorded at warm-up); on the CPU it is an inductor-compiled kernel.
+buffers (graph_inputs.py). On CUDA the compiled step is captured as CUDA graphs (inductor's
+cudagraph trees; one per KV bucket, recorded at warm-up; the KV caches it writes are marked static inputs); on the
+CPU it is an inductor-compiled kernel.
 Anything else (prefill chunks, batches above the largest size) runs eagerly in the same loop.
 
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
@@ -56,9 +57,12 @@ class GraphRunner:
         self._to_compile: queue.Queue = queue.Queue()   # keys, then None: stop
         self._compiler: threading.Thread | None = None
         self.cuda_graphs = compiled and torch.device(device).type == "cuda"
-        mode = "reduce-overhead" if self.cuda_graphs else None
-        self._compile = lambda fn: torch.compile(fn, mode=mode, dynamic=False, fullgraph=True, options={   # (a dict
-            "guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False})   # each: compile pops)
+        if self.cuda_graphs:   # a CUDA graph writes an input only at a fixed address (else inductor skips it)
+            for cache in main_caches + mtp_caches:
+                torch._dynamo.mark_static_address(cache)
+        self._compile = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True, options={   # (a dict each:
+            "guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False,   # compile pops)
+            "triton.cudagraphs": self.cuda_graphs})   # ("reduce-overhead": torch.compile takes a mode or options)
 
     def padded_size(self, num_rows: int) -> int | None:
         """The rows a step of num_rows runs as (None: more than the largest graph takes)."""
