@@ -1,5 +1,7 @@
 """Small building blocks: RMSNorm, DeepSeek rotary embedding (with YaRN), the gated MLP."""
+import functools
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +52,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     call (5 rows cost about what 16 do):
     - in a CPU graph, one reduction per row: inductor fuses them into one kernel that reads the weight once, at
       about twice the bandwidth MKL reaches on a few columns of a cold weight;
-    - eagerly, for fp32 and a contiguous weight, weight @ x.T; one row goes in twice, as MKL's GEMV reads a
-      cold weight at about half the speed of a two-column GEMM. (A strided weight, e.g. one expert's slice of
-      the stacked down projections, is the other way round: F.linear reads it faster.)"""
+    - eagerly, for fp32 and a contiguous weight, weight @ x.T (one row goes in twice) where this CPU runs it
+      faster than F.linear (`_by_columns`: which kernel MKL picks, and how fast, differs by CPU; a strided
+      weight, e.g. one expert's slice of the stacked down projections, keeps F.linear)."""
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):   # FP8 in memory: dequantized for this product only
@@ -64,11 +66,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])
-    elif x.dtype == torch.float32 and weight.is_contiguous():
+    elif x.dtype == torch.float32 and weight.is_contiguous() and _by_columns()[rows > 1]:
         out = torch.mm(weight, (x if rows > 1 else torch.cat([x, x])).t())[:, :rows].t().contiguous()
     else:
         return F.linear(x, weight, bias)
     return out if bias is None else out + bias
+
+
+@functools.cache
+def _by_columns() -> tuple[bool, bool]:
+    """(for 1 row, for 2-8 rows) whether weight @ x.T beats F.linear on this CPU's cold fp32 weights: each timed
+    in turns over 16 MB of weights, once per process; F.linear unless the other is clearly (1.2x) faster."""
+    weights = [torch.randn(1024, 256) for _ in range(16)]
+    choices = []
+    for rows in (1, 5):
+        x = torch.randn(rows, 256)
+        columns = torch.cat([x, x]) if rows == 1 else x
+        best = {"linear": math.inf, "columns": math.inf}
+        for _ in range(5):
+            for name in best:
+                start = time.perf_counter()
+                for w in weights:
+                    F.linear(x, w) if name == "linear" else torch.mm(w, columns.t())
+                best[name] = min(best[name], time.perf_counter() - start)
+        choices.append(best["linear"] > 1.2 * best["columns"])
+    return choices[0], choices[1]
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
