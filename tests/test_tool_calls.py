@@ -58,12 +58,17 @@ def write_deepseek_format_checkpoint(path: str) -> str:
     seqs = [tok.encode(f"<|user|>{q}\n<|assistant|>{a}").ids + [0] for q, a in ANSWERS.items()]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])   # (eos after the end: harmless to learn)
+    steps = 200
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):
+    # (the rate decays to 0: at a constant 1e-2 the loss could jump back up in the last steps, and whether it did
+    # depended on the rounding of the kernels the CPU picked)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)
+    for _ in range(steps):
         loss = mtp_objective(model, ids, 1, mtp_lambda=0.3).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
+        decay.step()
     return save_checkpoint(model, path, dtype=torch.float32, hf_config=hf)
 
 
