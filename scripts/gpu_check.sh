@@ -17,10 +17,12 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import torch, mtpserve; assert torch.cuda.is_available()
-print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" 2>&1 | tee "$out/env.log" || exit 1
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" 2>&1 |
+  tee "$out/env.log" || exit 1
 # the tests in parallel where pytest-xdist is there (compiling is CPU work; the GPU is mostly idle)
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4" || echo "")
-timeout 300 python3 -m pytest -v -rA --durations=0 $workers -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/tests.log"
+timeout 300 python3 -m pytest -v -rA --durations=0 $workers -p no:cacheprovider tests/test_cuda.py 2>&1 |
+  tee "$out/tests.log"
 tests=${PIPESTATUS[0]}
 timeout 190 python3 - "$out/gpu_check.json" <<'PY'
 import json, sys, time
@@ -32,7 +34,8 @@ params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
 print(f"{torch.cuda.get_device_name(0)}, bf16, CUDA graphs, 128 output tokens, shipped model")
 print("| config | batch | tokens/s | graphs built in |\n|---|---|---|---|")
 rows = []
-for name, spec in {"no MTP": None, "MTP k=2": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}}.items():
+specs = {"no MTP": None, "MTP k=2": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}}
+for name, spec in specs.items():
     start = time.perf_counter()
     llm = LLM(None, speculative_config=spec, device="cuda", graph_batch_sizes=[1, 32], max_model_len=256)
     built = time.perf_counter() - start
