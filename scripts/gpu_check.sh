@@ -8,12 +8,12 @@
 # server-side packages (fastapi, zmq, xgrammar) are not needed for these checks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-gpu_check}"
-mkdir -p "$out"
 if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
   echo "no CUDA device: nothing to check here (scripts/gpu_check.sh runs on a GPU machine)"
   exit 0
 fi
+out="${OUT:-gpu_check}"
+mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import torch, mtpserve; assert torch.cuda.is_available()
