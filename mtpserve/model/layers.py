@@ -82,12 +82,13 @@ def _by_columns() -> tuple[bool, bool]:
     for rows in (1, 5):
         x = torch.full((rows, 256), 0.5)
         columns = torch.cat([x, x]) if rows == 1 else x
-        best = {"linear": math.inf, "columns": math.inf}
+        products = {"linear": lambda w: F.linear(x, w), "columns": lambda w: torch.mm(w, columns.t())}
+        best = dict.fromkeys(products, math.inf)
         for _ in range(5):
-            for name in best:
+            for name, product in products.items():
                 start = time.perf_counter()
                 for w in weights:
-                    F.linear(x, w) if name == "linear" else torch.mm(w, columns.t())
+                    product(w)
                 best[name] = min(best[name], time.perf_counter() - start)
         choices.append(best["linear"] > 1.2 * best["columns"])
     return choices[0], choices[1]
