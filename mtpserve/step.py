@@ -29,11 +29,15 @@ class ScheduledRequest:
     def num_query_tokens(self) -> int:
         return self.num_new_tokens + len(self.draft_token_ids)
 
+    def decodes(self, k: int) -> bool:
+        """A decode step verifying k drafts: the pending token, then k drafts ([t5, d6, d7] for k = 2)."""
+        return self.samples and self.num_new_tokens == 1 and len(self.draft_token_ids) == k
+
 
 @dataclass
 class StepPlan:
     """The scheduler's plan: the requests, the drafts every one proposes (spec_decode/adaptive.py decides), and
-    the batch size when the step is steady (each verifies and drafts that k: adaptive k times it), else None."""
+    the batch size when the step is steady (each decodes(k) and drafts k: adaptive k times it), else None."""
     scheduled: list[ScheduledRequest]
     num_next_drafts: int
     steady_batch: int | None = None

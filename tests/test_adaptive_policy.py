@@ -119,9 +119,13 @@ def test_a_deeper_position_starts_from_the_one_before():
 
 def test_only_steady_steps_are_timed():
     """A step is timed when every request verifies k drafts and drafts k (the table's shape)."""
-    from types import SimpleNamespace as NS
-    step = [NS(samples=True, num_new_tokens=1, draft_token_ids=[1, 2]) for _ in range(3)]
-    assert adaptive.steady_batch(step, 2) == 3
-    assert adaptive.steady_batch(step, 1) is None
-    step[0].num_new_tokens = 5
-    assert adaptive.steady_batch(step, 2) is None
+    from mtpserve.request import Request
+    from mtpserve.sampling_params import SamplingParams
+    from mtpserve.step import ScheduledRequest
+    req = Request("a", None, [1, 2, 3, 4, 5, 6], SamplingParams(), max_tokens=8)
+    step = [ScheduledRequest(req, 5, 1, [7, 8]) for _ in range(3)]
+    assert AdaptiveK(2).plan(step).steady_batch == 3
+    assert AdaptiveK(2, forced=1).plan(step).steady_batch is None
+    assert adaptive.FixedK(2).plan(step).steady_batch is None   # (nothing times it)
+    step[0] = ScheduledRequest(req, 1, 5, [7, 8])                # a prompt chunk and its drafts
+    assert AdaptiveK(2).plan(step).steady_batch is None

@@ -43,19 +43,25 @@ def test_disaggregated_equals_single_engine(ckpt, spec, params):
     assert dbm.num_free_blocks == dbm.num_blocks
 
 
-def test_adaptive_prefill_side_hands_off_every_draft_and_mtp_kv(ckpt, monkeypatch):
-    """A prefill engine adapting its k (the default) drafts the full k for a request it hands off, and writes
-    its MTP KV, even where its policy would draft nothing: the hand-off equals a fixed-k engine's."""
+def test_adaptive_prefill_side_hands_off_the_drafts_it_chose(ckpt, monkeypatch):
+    """A prefill engine adapting its k hands off the drafts its policy chose, here none; the MTP KV is a fixed-k
+    engine's (a step drafting nothing still writes it), and the decode engine continues to one engine's output."""
     import torch
     from mtpserve.spec_decode.adaptive import AdaptiveK
-    p = SamplingParams(temperature=0.0, max_tokens=8)
+    p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     fixed = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}), "a", None,
                     [3, 4, 5, 6, 7], p)
     adaptive = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2})
-    monkeypatch.setattr(AdaptiveK, "choose", lambda self, batch, rooms=None: 0)
-    handoff = prefill(adaptive, "a", None, [3, 4, 5, 6, 7], p)
-    assert len(handoff.draft_token_ids) == 2 and handoff.draft_token_ids == fixed.draft_token_ids
+    with monkeypatch.context() as m:
+        m.setattr(AdaptiveK, "choose", lambda self, batch, rooms=None: 0)
+        handoff = prefill(adaptive, "a", None, [3, 4, 5, 6, 7], p)
+    assert handoff.draft_token_ids == [] and len(fixed.draft_token_ids) == 2
     assert all(torch.equal(a, b) for a, b in zip(handoff.kv, fixed.kv, strict=True))
+    single = LLMEngine.from_kwargs(ckpt, None)
+    single.add_request("a", None, [3, 4, 5, 6, 7], p)
+    decode_engine = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False})
+    add_prefilled(decode_engine, handoff)
+    assert run_to_end(decode_engine) == run_to_end(single)
 
 
 # (graph mode's padded first step through real servers: test_disagg_servers.py)

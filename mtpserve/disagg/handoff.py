@@ -87,8 +87,9 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     if h.finish_reason is not None:
         raise ValueError(f"handoff: request {h.request_id!r} already finished ({h.finish_reason}) at prefill")
     k = engine.config.speculative.num_speculative_tokens if engine.config.speculative else 0
-    if len(h.draft_token_ids) not in (0, k):
-        raise ValueError(f"handoff: {len(h.draft_token_ids)} drafts, this engine verifies num_speculative_tokens={k}")
+    if len(h.draft_token_ids) > k:
+        raise ValueError(f"handoff: {len(h.draft_token_ids)} drafts, this engine verifies at most "
+                         f"num_speculative_tokens={k}")
     if len(h.kv) != len(engine.runner.kv_caches):
         raise ValueError(f"handoff: {len(h.kv)} KV caches, this engine has {len(engine.runner.kv_caches)}")
     rid = request_id or h.request_id

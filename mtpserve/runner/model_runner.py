@@ -141,7 +141,7 @@ class ModelRunner:
             return 0
         counts = {len(s.draft_token_ids) for s in scheduled}
         if (len(counts) == 1 or self.graphs.padded_size(len(scheduled)) is None
-                or not all(s.samples and s.num_new_tokens == 1 for s in scheduled)):
+                or not all(s.decodes(len(s.draft_token_ids)) for s in scheduled)):
             return 0
         return 1 + max(counts)
 

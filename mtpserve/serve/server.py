@@ -74,9 +74,9 @@ def serving_graph_mode(kwargs: dict) -> dict:
 
 
 def prefill_server_speculation(speculative_config: dict | None, kv_role: str) -> dict | None:
-    """A prefill server (kv_producer) hands every request over after its prefill step, which drafts the full k
-    (spec_decode/adaptive.py), so adaptive k has no step to choose for: unless the config says "adaptive", MTP
-    starts with fixed k, without the calibration's 5-15 s and, in graph mode, with one k's graphs, not k + 1."""
+    """A prefill server (kv_producer) hands every request over after its prefill step: its only decode step is
+    the decode server's, so adaptive k has nothing to learn from. Unless the config says "adaptive", MTP drafts a
+    fixed k, without the calibration's 5-15 s and, in graph mode, with one k's graphs, not k + 1."""
     from mtpserve.config import SpeculativeConfig
     spec = speculative_config
     if kv_role != "kv_producer" or not isinstance(spec, dict) or "adaptive" in spec:

@@ -1,15 +1,9 @@
 """How many drafts a step proposes: a fixed k (FixedK), or adaptive k in [0, max_k] (AdaptiveK), chosen when the
-scheduler plans the step, as the k with the most expected tokens per second:
-
+scheduler plans the step as the k with the most expected tokens per second (uncalibrated: max_k):
     rate(k, batch) = E[tokens | k] / seconds(k, batch),    E[tokens | k] = 1 + c1 + c1*c2 + ... + c1*...*ck
-
-c_j: acceptance of draft j once 1..j-1 were accepted (decayed counts, from a prior; a deeper position starts from
-the one before). seconds: the start-up calibration's table (calibration.py), linear in the batch between the sizes
-timed, times the drift (median ratio of the last steady steps' times to the table's). Worked row, acceptance
-[0.8, 0.5], table at batch 1 {0: 1.0, 1: 1.1, 2: 1.2} ms: E = [1, 1.8, 2.2] -> rate = [1.00, 1.64, 1.83] -> k = 2.
-The k in use stays unless another is SWITCH_MARGIN better; every EXPLORE_EVERY-th step drafts one more than the
-best (k = 0 would never learn that drafts pay). Uncalibrated, max_k. Any k is lossless: only the drafts change.
-"""
+c_j: acceptance of draft j once 1..j-1 were accepted (decayed counts over a prior). seconds: calibration.py's table,
+linear in the batch, times the drift (median ratio of the last steady steps' times to the table's). Acceptance
+[0.8, 0.5], at batch 1 {0: 1.0, 1: 1.1, 2: 1.2} ms: E = [1, 1.8, 2.2] -> rate = [1.00, 1.64, 1.83] -> k = 2."""
 import bisect
 import logging
 import statistics
@@ -22,9 +16,8 @@ logger = logging.getLogger("mtpserve")
 
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 4.0   # DeepSeek-V3 reports 85-90% for its MTP module's first draft
 DECAY = 0.995                               # per verified draft: the counts follow a drifting workload
-SWITCH_MARGIN = 0.02                        # no flapping between two k that rate alike
-EXPLORE_EVERY = 64
-DRIFT_STEPS = 16                            # steady steps whose time ratios to the table set the drift
+SWITCH_MARGIN, DRIFT_STEPS = 0.02, 16        # the k in use stays unless another rates 2% better
+EXPLORE_EVERY = 64                          # a step drafting one more than the best (k = 0 alone never learns)
 
 
 @dataclass
@@ -34,20 +27,18 @@ class FixedK:
     adapts = False
 
     def plan(self, scheduled) -> StepPlan:
-        """The step's plan: every request drafts the k chosen for the batch."""
         k = self.choose_for(scheduled)
         for s in scheduled:
             s.num_next_drafts = k
-        return StepPlan(scheduled, k)
+        steady = self.adapts and all(s.decodes(k) for s in scheduled)   # (the shape adaptive k's table is keyed on)
+        return StepPlan(scheduled, k, len(scheduled) if steady else None)
 
     def choose_for(self, scheduled) -> int:
         return self.max_k
 
-    def observe(self, plan: StepPlan, results, seconds: float) -> None:
-        pass
+    def observe(self, plan: StepPlan, results, seconds: float) -> None: ...
 
-    def log(self, batch: int) -> None:
-        pass
+    def log(self, batch: int) -> None: ...
 
     def metrics(self) -> dict:
         return {}
@@ -59,22 +50,15 @@ class AdaptiveK(FixedK):
     table: dict = field(default_factory=dict)       # k -> {batch size: calibrated step seconds}
     drift: deque = field(default_factory=lambda: deque(maxlen=DRIFT_STEPS))
     reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
-    accepted: list[float] = field(default_factory=list)   # ... and accepted at j (decayed counts, no prior)
+    accepted: list[float] = field(default_factory=list)   # ... and accepted at j
     current: int | None = None
     forced: int | None = None                       # (calibration) the k to draft, whatever the rates say
     choices: list[int] = field(default_factory=list)     # steps that drafted each k
     last_step: tuple | None = None                  # (batch, k, seconds) of the last steady step
 
     def __post_init__(self):
-        self.reached = self.reached or [0.0] * self.max_k
-        self.accepted = self.accepted or [0.0] * self.max_k
+        self.reached, self.accepted = self.reached or [0.0] * self.max_k, self.accepted or [0.0] * self.max_k
         self.choices = self.choices or [0] * (self.max_k + 1)
-
-    def plan(self, scheduled) -> StepPlan:
-        """The plan, with the batch size when the step is steady (the steps whose times the table follows)."""
-        plan = super().plan(scheduled)
-        plan.steady_batch = steady_batch(scheduled, plan.num_next_drafts)
-        return plan
 
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
         for j in range(min(num_drafts, num_accepted + 1)):   # the positions reached
@@ -87,7 +71,6 @@ class AdaptiveK(FixedK):
             self.drift.append(seconds / at_batch(self.table[k], batch))
 
     def observe(self, plan: StepPlan, results, seconds: float) -> None:
-        """The acceptance of the drafts a step verified; its time, when it was steady."""
         for r in results:
             if not isinstance(r, Exception) and r.num_drafts:
                 self.observe_verification(r.num_drafts, r.num_accepted)
@@ -113,8 +96,8 @@ class AdaptiveK(FixedK):
         return at_batch(self.table[k], batch) * (statistics.median(self.drift) if self.drift else 1.0)
 
     def rates(self, batch: int, rooms: list[int] | None = None) -> list[float]:
-        """Expected tokens per second per request for k = 0..max_k (rooms: the requests' tokens left). A step with
-        more drafts costs at least what one with fewer does (noise must not make a bigger k look cheaper)."""
+        """Expected tokens per second per request, k = 0..max_k (rooms: the requests' tokens left). A bigger k
+        costs at least what a smaller one does (noise must not make it look cheaper)."""
         rooms = Counter(rooms or [None])
         out, most = [], 0.0
         for k in range(self.max_k + 1):
@@ -123,7 +106,6 @@ class AdaptiveK(FixedK):
         return out
 
     def choose(self, batch: int, rooms: list[int] | None = None) -> int:
-        """k for the next step of a batch of this size."""
         best = self.max_k
         if self.table:
             rates = self.rates(batch, rooms)
@@ -136,35 +118,22 @@ class AdaptiveK(FixedK):
         return k
 
     def choose_for(self, scheduled) -> int:
-        """k for a step's drafting (the next step's verification). A prefill side's hand-off carries every draft;
-        a request sampling this step takes at least one token in it."""
         if self.forced is not None:
             return self.forced
-        if any(s.req.hold_kv for s in scheduled):
-            return self.max_k
         rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
         return self.choose(len(scheduled), [min(r, self.max_k + 1) for r in rooms if r > 0])
 
     def log(self, batch: int) -> None:
-        rates = ", ".join(f"{k}: {r:.0f}" for k, r in enumerate(self.rates(batch))) if self.table else "uncalibrated"
-        logger.info("adaptive speculation: k = %s at batch %d; expected tokens/s by k {%s}, acceptance by position "
-                    "[%s], steps by k %s", self.current, batch, rates,
-                    ", ".join(f"{c:.2f}" for c in self.acceptance()), self.choices)
+        logger.info("adaptive speculation: k = %s at batch %d; expected tokens/s by k %s, acceptance by position %s, "
+                    "steps by k %s", self.current, batch, [round(r) for r in self.rates(batch)] if self.table
+                    else "uncalibrated", [round(c, 2) for c in self.acceptance()], self.choices)
 
     def metrics(self) -> dict:
-        return {"draft_steps_by_k": list(self.choices)}   # steps that drafted k tokens, k = 0..max_k
-
-
-def steady_batch(scheduled, k: int) -> int | None:
-    """The batch size if every request verifies k drafts and drafts k (the shape the table is keyed on)."""
-    if all(s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k for s in scheduled):
-        return len(scheduled)
-    return None
+        return {"draft_steps_by_k": list(self.choices)}
 
 
 def at_batch(by_batch: dict, batch: int) -> float:
-    """The value at this batch size, linear between the nearest sizes timed; outside them, along the line
-    through the smallest and the largest."""
+    """Linear between the nearest sizes timed; outside them, along the line through the smallest and largest."""
     if batch in by_batch or len(by_batch) == 1:
         return by_batch.get(batch) or next(iter(by_batch.values()))
     sizes = sorted(by_batch)
@@ -173,7 +142,5 @@ def at_batch(by_batch: dict, batch: int) -> float:
     return max(by_batch[lo] + (by_batch[hi] - by_batch[lo]) * (batch - lo) / (hi - lo), 1e-9)
 
 
-def make_policy(spec) -> FixedK:
-    """spec: the SpeculativeConfig (None: no speculation, a fixed k of 0)."""
-    k = spec.num_speculative_tokens if spec is not None else 0
-    return AdaptiveK(k) if spec is not None and spec.adaptive else FixedK(k)
+def make_policy(spec) -> FixedK:   # spec: the SpeculativeConfig (None: no speculation)
+    return FixedK(0) if spec is None else (AdaptiveK if spec.adaptive else FixedK)(spec.num_speculative_tokens)

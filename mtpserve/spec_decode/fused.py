@@ -203,5 +203,5 @@ def _decodes(s, k: int) -> bool:
     """Request s runs a decode step a fused graph can take: its pending token and k drafts, neither handed
     over nor held for a hand-off, nor processing its logits on the host (processors but the penalties: the
     separate path; logprobs are read from the hidden states the step returns)."""
-    return (s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == k and not s.req.hold_kv
+    return (s.decodes(k) and not s.req.hold_kv
             and s.req.mtp_prefix_hidden is None and not s.req.params.processes_on_host)

@@ -106,8 +106,7 @@ class MTPProposer:
 
     def _run_passes(self, scheduled, hidden, offsets, new_tokens, k: int) -> list[tuple]:
         verified = len(scheduled[0].draft_token_ids) if scheduled else 0
-        static = self.static_shapes and all(
-            s.samples and s.num_new_tokens == 1 and len(s.draft_token_ids) == verified for s in scheduled)
+        static = self.static_shapes and all(s.decodes(verified) for s in scheduled)
         # One row per request, the same for every own layer: its positions whose next token is now known, from
         # the step's first (a hand-over, disagg scheme 2: from the prompt's last, fed the hidden state it came
         # with, appended after this step's in `source`). sources: the main hidden state fed at each row token;
