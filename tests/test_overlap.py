@@ -125,7 +125,7 @@ def test_abort_while_its_step_runs(ckpt, caplog):
         finals.update((o.request_id, o) for o in engine.step() if o.finished)
         steps += 1
         if steps == 3:
-            flight = engine._in_flight
+            flight = engine.overlap.in_flight
             assert flight is not None and any(s.req.request_id == "1" for s in flight.plan.scheduled)
             engine.abort_request("1")
             aborted.set()

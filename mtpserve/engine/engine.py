@@ -1,12 +1,11 @@
 """The engine loop: schedule -> execute -> update."""
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from mtpserve.config import EngineConfig, eos_token_ids
 from mtpserve.engine import stats, stops, validation
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
-from mtpserve.engine.flight import Flight, snapshot
+from mtpserve.engine.overlap import Overlap
 from mtpserve.engine.kv_cache import BlockManager
 from mtpserve.engine.outputs import logprob_dicts, request_output, take_prompt_logprobs
 from mtpserve.engine.scheduler import Scheduler
@@ -64,11 +63,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.grammars = None   # structured outputs: the grammar compiler, made on first use (validation.py)
         self.children: dict[str, list[Request]] = {}
-        # overlap: steps run on a model thread; the engine finishes one step's outputs (and the caller handles
-        # them) while the next runs. Scheduling still waits for the step before: its tokens are the next inputs.
-        self.overlap = cfg.overlap
-        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="mtpserve-model") if cfg.overlap else None
-        self._in_flight: Flight | None = None
+        self.overlap = Overlap(self) if cfg.overlap else None   # (engine/overlap.py)
 
     def calibrate(self) -> None:
         """Start-up, adaptive speculation length: times decode steps of every k (spec_decode/calibration.py);
@@ -100,8 +95,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the model thread (overlap) and worker processes (tensor parallelism); the engine cannot run
         after this."""
-        if self._model_thread is not None:
-            self._model_thread.shutdown(wait=True)
+        if self.overlap is not None:
+            self.overlap.shutdown()
         self.executor.shutdown()
 
     def check_health(self) -> None:
@@ -143,54 +138,31 @@ class LLMEngine:
         return self.scheduler.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or (self.overlap is not None and self.overlap.in_flight is not None)
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs a step and returns the outputs of the requests it advanced. With overlap the step runs on the
-        model thread, and the outputs returned are the step before's, finished (detokenised, stop strings
-        checked) while this one runs."""
+        """Schedule, execute, commit; returns the outputs of the requests the step advanced. (Overlap returns
+        the step before's outputs, finished while this one runs: engine/overlap.py.)"""
+        if self.overlap is not None:
+            return self.overlap.step()
         started = time.perf_counter()
-        done = self._collect() if self._in_flight is not None else None
-        self._in_flight = self._launch()
-        if not self.overlap and self._in_flight is not None:
-            done = self._collect()
-        if done is None:
-            return []
-        flight, results, progressed, appended = done
-        outputs = self._finish_outputs(progressed, appended)
-        # (the whole call: the forward and the engine's own work on the step)
-        self.policy.observe(flight.plan, results, time.perf_counter() - started)
-        return outputs
-
-    def _launch(self) -> Flight | None:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return None
-        now = time.monotonic()
-        for s in plan.scheduled:
-            s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
-        if self._model_thread is None:
-            results = Future()
-            results.set_result(self._execute_isolating(plan.scheduled))
-        else:   # the step reads copies: the engine changes the requests while it runs
-            results = self._model_thread.submit(self._execute_isolating, snapshot(plan.scheduled))
-        return Flight(plan, results)
+            return []
+        results = self.execute(plan.scheduled)
+        outputs = self.finish_outputs(*self.commit_tokens(list(zip(plan.scheduled, results))))
+        self.policy.observe(plan, results, time.perf_counter() - started)   # (the forward and the engine's work)
+        return outputs
 
-    def _collect(self) -> tuple:
-        """Applies the step in flight's results as far as the next schedule needs them (tokens, drafts, stops on
-        token ids and lengths). Returns the flight, its results, the parents it advanced and, per request that
-        sampled, how many tokens it got."""
-        flight, self._in_flight = self._in_flight, None
-        results = flight.results.result()
-        # (overlap) finished while the step ran, by an abort or a stop string in the step before: results dropped
-        finished_before = [s.req.is_finished for s in flight.plan.scheduled]
+    def commit_tokens(self, step: list[tuple]) -> tuple:
+        """Applies a step's results, (ScheduledRequest, StepResult or the exception it failed with) per request,
+        as far as the next schedule needs them (tokens, drafts, stops on token ids and lengths). Returns the
+        parents it advanced and, per request that sampled, how many tokens it got."""
         now = time.monotonic()
         progressed, appended = [], []
-        for s, r, gone in zip(flight.plan.scheduled, results, finished_before):
+        for s, r in step:
             req = s.req
-            if gone:
-                continue
             if isinstance(r, Exception) or req.is_finished:   # (a sibling failed this step)
                 self._fail(req, r, now)
             else:
@@ -203,7 +175,7 @@ class LLMEngine:
                 self.scheduler.computed(req)
             if req.parent_id not in progressed:
                 progressed.append(req.parent_id)
-        return flight, results, progressed, appended
+        return progressed, appended
 
     def _commit(self, req: Request, r, now: float) -> int:
         """Takes a step's tokens and drafts for req; returns how many tokens it appended."""
@@ -225,7 +197,7 @@ class LLMEngine:
             req.metrics.finished_time = now
         return num_appended
 
-    def _finish_outputs(self, progressed: list[str], appended: list[tuple[Request, int]]) -> list[RequestOutput]:
+    def finish_outputs(self, progressed: list[str], appended: list[tuple[Request, int]]) -> list[RequestOutput]:
         now = time.monotonic()
         for req, num_new in appended:
             if req.error is not None:   # (failed with a sibling)
@@ -249,7 +221,7 @@ class LLMEngine:
                 self._forget(out.request_id)
         return outputs
 
-    def _execute_isolating(self, scheduled) -> list:
+    def execute(self, scheduled) -> list:
         """The step's results; if the step raises, the batch is split in halves and each half re-run, down to
         the requests it raises on, whose entries are the exception: one request's fault (an input that passed
         validation but breaks sampling, say) fails that request only. Re-running is safe because a step's
@@ -265,7 +237,7 @@ class LLMEngine:
                 logger.error("request %s failed in a step: %s: %s", scheduled[0].req.request_id, type(e).__name__, e)
                 return [e]
             mid = len(scheduled) // 2
-            return self._execute_isolating(scheduled[:mid]) + self._execute_isolating(scheduled[mid:])
+            return self.execute(scheduled[:mid]) + self.execute(scheduled[mid:])
 
     def _fail(self, req: Request, error: Exception | None, now: float) -> None:
         """Ends a request the engine failed, and its siblings (the n completions of one prompt)."""

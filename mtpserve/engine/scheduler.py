@@ -6,6 +6,7 @@ request with drafts is scheduled with 1 + k query tokens (its pending token and 
 (spec_decode/adaptive.py) decides how many drafts the step proposes. When KV blocks run out, the newest running
 request is preempted: its blocks are freed and it is recomputed later.
 """
+import time
 from collections import deque
 
 from mtpserve.engine.kv_cache import BlockManager
@@ -80,6 +81,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.monotonic()
             self.running.append(req)
             scheduled.append(item)
             budget -= item.num_query_tokens

@@ -40,7 +40,7 @@ def process(logits: torch.Tensor, rows: list[RowHistory | None], vocab: torch.Te
     """logits [M, V] (fp32) -> the processed logits (a new tensor when any row is processed). vocab: the token
     id of each column when a head scores a draft vocabulary only (vocab_size: the whole vocabulary's).
     A row left with no token: a draft keeps its unprocessed logits (a proposal; verification decides); the
-    target raises, failing that request only (engine._execute_isolating)."""
+    target raises, failing that request only (LLMEngine.execute)."""
     if all(r is None for r in rows):
         return logits
     logits = logits.float().clone()

@@ -99,7 +99,7 @@ class MTPProposer:
         """Per request, (next drafts, their distributions [k, V] or None for argmax drafts); (None, None) for one
         that did not sample this step. new_tokens: what each request emitted this step."""
         drafts = self._run_passes(scheduled, hidden, offsets, new_tokens, self.next_k(scheduled))
-        for s in scheduled:   # (only now: a step that raised is run again, engine._execute_isolating)
+        for s in scheduled:   # (only now: a step that raised is run again, LLMEngine.execute)
             if s.samples:
                 s.req.mtp_prefix_hidden = None
         return drafts
