@@ -30,7 +30,7 @@ import torch._dynamo
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.model.layers import FEW_ROWS
 from mtpserve.runner.graph_inputs import StaticInputs, sampling_buffers
-from mtpserve.step import Pass, Row, flat_rows
+from mtpserve.step import Pass, Row
 
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
@@ -39,10 +39,9 @@ MANY = "many"   # the batch in the key of a CPU graph of any batch above FEW_ROW
 
 class GraphRunner:
     def __init__(self, model, main_caches, mtp_caches, batch_sizes: list[int], block_size: int,
-                 max_span: int, device, spec=None, compiled: bool = True, background: bool = False):
-        """spec: the speculative config (how the sampled fused step drafts and verifies). compiled: false runs
-        the same step functions eagerly (eager mode's decode steps, spec_decode/fused.py): no padding, no
-        warm-up, built on first use. background: graphs are built by a compiler thread when first needed."""
+                 max_span: int, device, spec=None, background: bool = False):
+        """spec: the speculative config (how the sampled fused step drafts and verifies). background: graphs are
+        built by a compiler thread when first needed."""
         self.model, self.main_caches, self.mtp_caches = model, main_caches, mtp_caches
         self.spec = spec
         self.batch_sizes = sorted(batch_sizes)
@@ -50,13 +49,12 @@ class GraphRunner:
         self.max_blocks = -(-max_span // block_size)
         self.graphs: dict[tuple, tuple] = {}    # (Pass, batch or MANY, query_len) -> (compiled fn, static buffers)
         self.compile_seconds = 0.0
-        self.compiled = compiled
         self.background = background
         self.shapes: set[tuple[Pass, int]] = set()   # (pass, query length) graphs are built for (warm_up)
         self._queued: set[tuple] = set()
         self._to_compile: queue.Queue = queue.Queue()   # keys, then None: stop
         self._compiler: threading.Thread | None = None
-        self.cuda_graphs = compiled and torch.device(device).type == "cuda"
+        self.cuda_graphs = torch.device(device).type == "cuda"
         if self.cuda_graphs:   # a CUDA graph writes an input only at a fixed address (else inductor skips it)
             for cache in main_caches + mtp_caches:
                 torch._dynamo.mark_static_address(cache)
@@ -66,8 +64,6 @@ class GraphRunner:
 
     def padded_size(self, num_rows: int) -> int | None:
         """The rows a step of num_rows runs as (None: more than the largest graph takes)."""
-        if not self.compiled:
-            return num_rows
         size = next((b for b in self.batch_sizes if b >= num_rows), None)
         return max(num_rows, FEW_ROWS + 1) if size is not None and self._many(size) else size
 
@@ -147,10 +143,6 @@ class GraphRunner:
         # a CUDA graph's output memory is overwritten by its next replay; inductor's CPU outputs are fresh
         return out.clone() if self.cuda_graphs else out
 
-    def covers_drafts(self, scheduled, k: int) -> bool:
-        """The block table reaches every position a fused step of k drafts writes (2k past the pending token)."""
-        return all(s.start + 1 + 2 * k <= self.max_blocks * self.block_size for s in scheduled)
-
     def fused_ready(self, which: Pass, num_rows: int, k: int) -> bool:
         """The fused step's graph (FUSED or FUSED_SAMPLED, spec_decode/fused.py) is built for this batch size."""
         size = self.padded_size(num_rows)
@@ -164,23 +156,12 @@ class GraphRunner:
         n, q = len(rows), len(rows[0].token_ids)
         size = self.padded_size(n)
         fn, buf = self._graph(self.key(which, size, q))
-        bucket = self.kv_bucket(max(r.start for r in rows) + 2 * q - 1)
-        if not self.compiled:
-            inputs = self._fresh_inputs(rows, q, bucket) + (sampling or [])
-        else:
-            for target, value in zip(buf.sampling, sampling or []):   # (padding rows keep theirs: outputs dropped)
-                target[:n].copy_(value)
-            inputs = buf.load(rows, q, bucket, self.block_size, size)
-        ids, probs, hidden = fn(*inputs)
+        for target, value in zip(buf.sampling, sampling or []):   # (padding rows keep theirs: outputs dropped)
+            target[:n].copy_(value)
+        ids, probs, hidden = fn(*buf.load(rows, q, self.kv_bucket(max(r.start for r in rows) + 2 * q - 1),
+                                          self.block_size, size))
         hidden = hidden[:n * q].clone() if self.cuda_graphs else hidden[:n * q]   # (as run's output)
         return ids[:n].tolist(), None if probs is None else probs[:n].clone(), hidden
-
-    def _fresh_inputs(self, rows: list[Row], q: int, bucket: int) -> list[torch.Tensor]:
-        """The eager step's first five inputs as new tensors (the rotary tables are looked up once per positions
-        tensor)."""
-        ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, self.block_size)
-        tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
-        return [tensor(ids), tensor(positions), tensor(seq_lens), tensor(slots), tensor(tables).view(len(rows), -1)]
 
     def kv_bucket(self, kv_len: int) -> int:
         """Blocks in the table a graph sees (at least 2: dynamo specializes sizes 0 and 1): on CUDA the next
@@ -202,15 +183,8 @@ class GraphRunner:
             self.graphs[key] = self._build(*key)
         return self.graphs[key]
 
-    def _fused_step(self, which: Pass, q: int):
-        from mtpserve.spec_decode.fused import fused_step
-        return fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, q, q - 1, which.sampled,
-                          self.spec.draft_sampling, self.spec.verification, len(self.mtp_caches), static=self.compiled)
-
     def _build(self, which: Pass, rows: int | str, q: int):
-        """The graph of `which` over `rows` rows (MANY: above FEW_ROWS) of q tokens (eager: the fused step)."""
-        if not self.compiled:   # (eager: the fused step as it is, fed fresh tensors)
-            return self._fused_step(which, q), None
+        """The graph of `which` over `rows` rows (MANY: above FEW_ROWS) of q tokens."""
         dev, cfg = self.device, self.model.config
         batch = self.batch_sizes[-1] if rows == MANY else rows
         buf = StaticInputs.allocate(batch, q, self.max_blocks, dev)
@@ -219,7 +193,8 @@ class GraphRunner:
                                           device=dev)
             buf.output_index = torch.arange(batch, device=dev) * q if self.indexed(which, q) else None
         if which.kind == "fused":
-            step = self._fused_step(which, q)
+            from mtpserve.spec_decode.fused import fused_step
+            step = fused_step(self.model, self.main_caches, self.mtp_caches, self.block_size, self.spec, which, q)
             buf.sampling = sampling_buffers(batch, q - 1, cfg.vocab_size, dev) if which.sampled else []
         else:
             step = self._pass_step(which, q)

@@ -12,7 +12,7 @@ from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode import fused
 from mtpserve.spec_decode.proposer import make_proposer, proposer_class
 from mtpserve.spec_decode.verifier import Verifier
-from mtpserve.step import FUSED, FUSED_SAMPLED, MAIN, Pass, Row, StepResult
+from mtpserve.step import FUSED, FUSED_SAMPLED, MAIN, Pass, Row, StepResult, flat_rows
 
 
 def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
@@ -48,9 +48,9 @@ class ModelRunner:
         # process: its graph when built (graph mode), for each k a step can verify and draft; else eagerly
         fuses = (self.fuses_steps and self.proposer is not None and self.proposer.fuses_with_verification
                  and spec.fused_graph_step and spec.synthetic_acceptance is None and spec.scorer == "mqa")
-        self.fused_graphs = self.graphs if fuses else None
-        self.fused_eager = GraphRunner(model, self.main_caches, self.mtp_caches, [], block_size, max_span, device,
-                                       spec, compiled=False) if fuses else None
+        self.fuses = fuses
+        self.max_positions = -(-max_span // block_size) * block_size   # (the block table's reach)
+        self.fused_eagerly: dict = {}   # (Pass, q) -> the fused step function, run eagerly (no graph for it yet)
 
     def forward(self, which: Pass, rows: list[Row], prev_hidden: torch.Tensor | None = None,
                 output_index: list[int] | None = None) -> torch.Tensor:
@@ -75,7 +75,7 @@ class ModelRunner:
             return 0.0
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
         shapes = [(MAIN, 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
-        if self.fused_graphs is not None:
+        if self.fuses:
             for k in verified:   # (adaptive k: 0 too, plain decoding with the MTP layers' KV passes)
                 shapes += [(FUSED, 1 + k), (FUSED_SAMPLED, 1 + k)]
         self.graphs.warm_up(list(dict.fromkeys(shapes)))
@@ -93,14 +93,29 @@ class ModelRunner:
             sampling = fused.sampling_inputs(self.spec, [s.req for s in scheduled],
                                              [s.draft_token_ids for s in scheduled], self.model.config.vocab_size,
                                              self.generator, self.device)
-        graphs = self.fused_graphs
-        steps = graphs if graphs is not None and graphs.fused_ready(which, len(scheduled), k) else self.fused_eager
-        outs, probs, hidden = steps.run_fused(which, rows, sampling)
+        if self.graphs is not None and self.graphs.fused_ready(which, len(scheduled), k):
+            outs, probs, hidden = self.graphs.run_fused(which, rows, sampling)
+        else:
+            outs, probs, hidden = self._fused_eagerly(which, rows, sampling)
         new_tokens = [out[:out[1 + k] + 1] for out in outs]
         scores = logprobs.read(self.model, scheduled, hidden, [i * (1 + k) for i in range(len(outs))], new_tokens)
         return [StepResult(tokens, num_drafts=k, num_accepted=len(tokens) - 1, next_drafts=out[k + 2:] or None,
                            next_draft_probs=None if probs is None or not k else probs[i], **scored)
                 for i, (out, tokens, scored) in enumerate(zip(outs, new_tokens, scores))]
+
+    def _fused_eagerly(self, which: Pass, rows: list[Row], sampling) -> tuple:
+        """The fused step as it is, fed fresh tensors (eager mode; graph mode until its graph is built)."""
+        q = len(rows[0].token_ids)
+        if (which, q) not in self.fused_eagerly:
+            self.fused_eagerly[which, q] = fused.fused_step(self.model, self.main_caches, self.mtp_caches,
+                                                            self.block_size, self.spec, which, q, static=False)
+        bucket = -(-(max(r.start for r in rows) + 2 * q - 1) // self.block_size)   # (blocks the step writes in)
+        ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, self.block_size)
+        tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
+        outs, probs, hidden = self.fused_eagerly[which, q](
+            tensor(ids), tensor(positions), tensor(seq_lens), tensor(slots), tensor(tables).view(len(rows), -1),
+            *(sampling or []))
+        return outs.tolist(), probs, hidden
 
     @torch.inference_mode()
     def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (step.py)

@@ -34,16 +34,17 @@ from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
 from mtpserve.step import FUSED, FUSED_SAMPLED, Pass
 
 
-def fused_step(model, main_caches, mtp_caches, block_size: int, q: int, k_next: int, sampled: bool = False,
-               draft_sampling: str = "greedy", verification: str = "token", chain_depth: int = 1, static: bool = True):
-    """step(input_ids, positions, seq_lens, slot_mapping, block_tables, then sampled: sampling_inputs()) ->
+def fused_step(model, main_caches, mtp_caches, block_size: int, spec, which: Pass, q: int, static: bool = True):
+    """The fused step `which` (FUSED, FUSED_SAMPLED) over rows of q = 1+k tokens, drafting k:
+    step(input_ids, positions, seq_lens, slot_mapping, block_tables, then sampled: sampling_inputs()) ->
     (ids [batch, q + 1 + k_next]: the emitted tokens (greedy: the target's argmax at the q positions; sampled:
     -1 past the accepted ones), the accepted count, the next drafts; the drafts' distributions [batch, k_next,
     V], or None for argmax drafts; the main model's hidden states [batch * q, H], logprobs read them). Padding rows (KV
-    length 0, slot -1, greedy) compute garbage that the caller drops, and write no KV. chain_depth: the depths
-    drafted by the checkpoint's own MTP layers, chained (spec_decode/mtp.py, MTPProposer._chain_depth). static:
-    no host branch on values (compiled; eager mode runs it with host branches, sampling/sampler.py)."""
-    device = mtp_caches[0].device
+    length 0, slot -1, greedy) compute garbage that the caller drops, and write no KV. The checkpoint's own MTP
+    layers draft the first depths, chained, one per MTP cache (spec_decode/mtp.py). static: no host branch on
+    values (compiled; eager mode runs it with host branches, sampling/sampler.py)."""
+    device, k_next, sampled, chain_depth = mtp_caches[0].device, q - 1, which.sampled, len(mtp_caches)
+    draft_sampling, verification = spec.draft_sampling, spec.verification
     vocab = model.draft_vocab
     probabilistic = sampled and draft_sampling == "probabilistic"
 
@@ -189,14 +190,15 @@ def fused_graph(runner, scheduled) -> Pass | None:
     """The fused step this step can run as (its graph, or eagerly: ModelRunner._fused_step): FUSED when every
     request is greedy without penalties, FUSED_SAMPLED when some sample or penalize; None when some request is
     not decoding k drafts into k drafts (one pending token plus k drafts verified, k drafted next; adaptive k = 0
-    has a graph of its own; a step changing k runs the graphs apart) or is handed over or held for a hand-off."""
-    if not scheduled or runner.fused_eager is None:
+    has a graph of its own; a step changing k runs the graphs apart), is handed over or held for a hand-off, or
+    would write past its block table (2k positions past the pending token)."""
+    if not scheduled or not runner.fuses:
         return None
     k = len(scheduled[0].draft_token_ids)
     if not all(_decodes(s, k) and s.num_next_drafts == k for s in scheduled):
         return None
     which = FUSED if all(s.req.params.greedy and not s.req.params.penalizes for s in scheduled) else FUSED_SAMPLED
-    return which if runner.fused_eager.covers_drafts(scheduled, k) else None
+    return which if all(s.start + 1 + 2 * k <= runner.max_positions for s in scheduled) else None
 
 
 def _decodes(s, k: int) -> bool:
