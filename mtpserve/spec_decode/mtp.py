@@ -98,11 +98,7 @@ class MTPProposer:
     def propose(self, scheduled, hidden, offsets, new_tokens) -> list[tuple]:
         """Per request, (next drafts, their distributions [k, V] or None for argmax drafts); (None, None) for one
         that did not sample this step. new_tokens: what each request emitted this step."""
-        drafts = self._run_passes(scheduled, hidden, offsets, new_tokens, self.next_k(scheduled))
-        for s in scheduled:   # (only now: a step that raised is run again, LLMEngine.execute)
-            if s.samples:
-                s.req.mtp_prefix_hidden = None
-        return drafts
+        return self._run_passes(scheduled, hidden, offsets, new_tokens, self.next_k(scheduled))
 
     def _run_passes(self, scheduled, hidden, offsets, new_tokens, k: int) -> list[tuple]:
         verified = len(scheduled[0].draft_token_ids) if scheduled else 0
