@@ -45,21 +45,24 @@ class StaticInputs:
         self.block_tables[:size, :bucket].copy_(torch.tensor(tables + [0] * (pad * bucket)).view(size, bucket))
         return self.args(bucket, size)
 
-    def args(self, bucket: int, rows: int, compiling: bool = False, fewest_rows: int | None = None) -> list:
-        """The graph's inputs: the first `rows` rows, the first `bucket` blocks of the table. compiling: the
-        table's width marked dynamic, and with fewest_rows the batch too, from that many rows to all."""
+    def args(self, bucket: int, rows: int) -> list:
+        """The graph's inputs: the first `rows` rows, the first `bucket` blocks of the table."""
         size = len(self.seq_lens)
         cut = lambda t: t if t is None or rows == size else t[:len(t) // size * rows]  # noqa: E731
-        args = [cut(self.input_ids), cut(self.positions), cut(self.seq_lens), cut(self.slot_mapping),
-                self.block_tables[:rows, :bucket]]
-        args += [cut(t) for t in self.sampling] if self.sampling is not None else [cut(self.prev_hidden),
-                                                                                   cut(self.output_index)]
-        for t in args if compiling and fewest_rows else []:   # (each input's rows: [B * q], [B], [B, ...])
+        tail = self.sampling if self.sampling is not None else [self.prev_hidden, self.output_index]
+        return [cut(self.input_ids), cut(self.positions), cut(self.seq_lens), cut(self.slot_mapping),
+                self.block_tables[:rows, :bucket]] + [cut(t) for t in tail]
+
+    def compiling_args(self, bucket: int, rows: int, fewest_rows: int | None = None) -> list:
+        """args() with the table's width marked dynamic, and with fewest_rows the batch too, from that many rows
+        to all (the inputs a graph is compiled with)."""
+        args, size = self.args(bucket, rows), len(self.seq_lens)
+        for t in args if fewest_rows else []:   # (each input's rows: [B * q], [B], [B, ...])
             if t is not None:
                 per_row = len(t) // rows
                 torch._dynamo.mark_dynamic(t, 0, min=fewest_rows * per_row, max=size * per_row)
         # one graph for every KV bucket (a one-block table has a single bucket: dynamo specializes size 1)
-        if compiling and self.block_tables.shape[1] > 1:
+        if self.block_tables.shape[1] > 1:
             torch._dynamo.mark_dynamic(args[4], 1)
         return args
 

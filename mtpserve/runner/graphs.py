@@ -210,8 +210,8 @@ class GraphRunner:
         # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
             for bucket in buckets:   # (the many-row graph: compiled at its most rows, then run at its fewest)
-                fn(*buf.args(bucket, batch, compiling=True, fewest_rows=FEW_ROWS + 1 if rows == MANY else None))
-                fn(*buf.args(bucket, FEW_ROWS + 1 if rows == MANY else batch, compiling=True))
+                fn(*buf.compiling_args(bucket, batch, fewest_rows=FEW_ROWS + 1 if rows == MANY else None))
+                fn(*buf.compiling_args(bucket, FEW_ROWS + 1 if rows == MANY else batch))
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
 
