@@ -6,7 +6,7 @@ Request "a" at 5, pending t5, drafts [d6, d7]:
     Row([t5, d6, d7], start=5, block_ids)            (positions 5, 6, 7)
     StepResult([d6, e7], num_drafts=2, num_accepted=1, next_drafts=[d8, d9])
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -107,6 +107,6 @@ class StepResult:
     next_drafts: list[int] | None = None
     next_draft_probs: torch.Tensor | None = None
     last_hidden: torch.Tensor | None = None  # the sampled position's hidden state (requests that hold their KV)
-    logprobs: list | None = None             # per new token [(token, logprob, rank), top...] (sampling/logprobs.py)
+    logprobs: list = field(default_factory=list)   # per new token [(token, logprob, rank), top...] (when asked)
     prompt_logprobs: list | None = None      # the same for prompt tokens prompt_logprobs_start.. of this chunk
     prompt_logprobs_start: int = 0

@@ -183,8 +183,7 @@ class LLMEngine:
         if r.num_drafts:
             self.spec_metrics.record(r.num_drafts, r.num_accepted)
         num_appended, reason = stops.take_tokens(req, r.new_token_ids, self.eos_token_ids)
-        if r.logprobs is not None:
-            req.logprobs += logprob_dicts(r.logprobs[:num_appended], self.tokenizer)
+        req.logprobs += logprob_dicts(r.logprobs[:num_appended], self.tokenizer)   # ([] unless asked)
         if reason is not None:
             self.scheduler.finish(req, reason)
         req.metrics.first_token_time = req.metrics.first_token_time or now
