@@ -96,6 +96,26 @@ def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs, temp
     assert dbm.num_free_blocks == dbm.num_blocks
 
 
+def test_scheme2_owes_no_mtp_pass_after_the_first_step_whatever_drafts(ckpt):
+    """The MTP pass a scheme-2 hand-off owes is settled when the engine commits the request's first step, also
+    on an engine drafting by n-gram (its proposer never runs that pass): afterwards the request is an ordinary
+    one (its computed blocks all count for the prefix cache), and it continues to one engine's output."""
+    import torch
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    prompt = pattern_batch(torch.Generator().manual_seed(2), 1, 9).tolist()[0]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    single = LLMEngine.from_kwargs(ckpt, spec)
+    single.add_request("a", None, prompt, params)
+    decode_engine = LLMEngine.from_kwargs(ckpt, spec)
+    add_prefilled(decode_engine, prefill(LLMEngine.from_kwargs(ckpt, spec), "a", None, prompt, params, "hidden"))
+    req = decode_engine.requests["a"]
+    assert req.mtp_prefix_hidden is not None
+    done = {o.request_id: o.outputs[0].token_ids for o in decode_engine.step() if o.finished}
+    assert req.mtp_prefix_hidden is None
+    done.update(run_to_end(decode_engine))
+    assert done == run_to_end(single)
+
+
 def count_first_steps(engine):
     """(steps running a handed-over request's first decode step, steps run as graphs) so far; a first step
     verifies no drafts (scheme 2 hands over none)."""
