@@ -1,27 +1,19 @@
-"""The fused speculative step of graph mode (MTP): verify, accept and draft in one compiled graph.
+"""The fused decode step (MTP): verify, accept and draft in one function over tensors, one host sync at the end;
+eager mode calls it (ModelRunner._fused_eagerly), graph mode compiles it (runner/graphs.py). Greedy, one own MTP
+layer, request at 5 with pending t5 and drafts [d6, d7] (q = 3, k = 2):
 
-One decode step of B requests, each verifying k drafts (1+k query tokens), normally runs the main graph, the
-LM head and the acceptance eagerly, the MTP graph at the accepted index, the draft head eagerly, and k-1 more
-one-token MTP graphs, with a host sync between each. All of it is a function of the step's inputs (and, when
-requests sample, of random draws that can be made before the step), so it compiles into one graph with one
-host sync at the end:
+    main model over [t5 d6 d7] at 5 6 7              -> argmax [d6 e7 x8]          (main KV at 5 6 7)
+    accepted: d6 kept, d7 != e7                       -> 1, emitted [d6 e7]
+    own layer 0 over [d6 e7 e7] at 5 6 7, fed the main hidden states, output at 6 -> draft f8   (MTP KV at 5 6 7)
+    layer 0 over [f8] at 7, fed that output           -> draft f9                    (MTP KV at 7)
+    ids [d6 e7 x8 | 1 | f8 f9]: the caller keeps [d6 e7] and drafts [f8 f9]
 
-    hidden   = main model over the 1+k tokens                                       (writes main KV)
-    target   = greedy: the LM head's argmax at each of the 1+k positions; sampled: the requests' distributions
-               (after their penalties, the drafts before each position counted as generated: processors.py)
-    accepted = greedy: leading drafts equal to the argmax; sampled: token-wise rejection sampling or block
-               verification (coupled for seeded requests, and for argmax drafts token-wise),
-               spec_decode/verify.py, then the recovered or bonus token
-    drafts   = the MTP passes of spec_decode/mtp.py's plan (mtp_passes), fed the emitted tokens as the next
-               tokens (the drafts where accepted, the extra token at the accepted index): own layer 0 over the 1+k
-               positions, its output at the accepted index -> draft 1 (argmax, or a draw from the draft head's
-               distribution); then the further depths                                   (writes MTP KV)
-
-Random draws come in as inputs, keyed as the unfused path keys them (sampling/sampler.py draw): Exp(1) noise at
-the 2k+1 positions from the pending token on (the target's 1+k slots; the next drafts sit at positions
-accepted+1.. of the same range, which this step's emitted tokens never read) and a uniform per draft. Tokens,
-acceptance and drafts are those of the unfused path: the same computations in the same order, only without the
-trips through Python in between (a seeded request gets the same tokens; an unseeded one the same distribution).
+The drafting follows spec_decode/mtp.py's plan (mtp_passes), as the separate path does. Sampled: the requests'
+distributions (penalties counting the drafts before each position), token-wise or block verification
+(spec_decode/verify.py) with the recovered or bonus token, drafts drawn from the draft head's distribution; the
+random draws come in as inputs keyed as the separate path keys them (Exp(1) noise at the 2k+1 positions from the
+pending token on, a uniform per draft): a seeded request gets the same tokens, an unseeded one the same
+distribution.
 """
 import torch
 
