@@ -98,6 +98,12 @@ def flat_rows(rows: list[Row], q: int, bucket: int, block_size: int) -> tuple[li
     return ids, positions, slots, seq_lens, tables
 
 
+def fused_kv_reach(start: int, k: int) -> int:
+    """The KV length a fused step of k drafts from `start` needs its block table to cover: [t5 d6 d7] at 5 (k = 2)
+    verifies 5..7 and drafts at positions up to 9, so 10."""
+    return start + 2 * k + 1
+
+
 @dataclass
 class StepResult:
     """What a step did for one request (the runner's output; the engine commits it)."""

@@ -99,7 +99,8 @@ def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs, temp
 def test_scheme2_owes_no_mtp_pass_after_the_first_step_whatever_drafts(ckpt):
     """The MTP pass a scheme-2 hand-off owes is settled when the engine commits the request's first step, also
     on an engine drafting by n-gram (its proposer never runs that pass): afterwards the request is an ordinary
-    one (its computed blocks all count for the prefix cache), and it continues to one engine's output."""
+    one (the prefix cache no longer holds back its last computed position), and it continues to one engine's
+    output."""
     import torch
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     prompt = pattern_batch(torch.Generator().manual_seed(2), 1, 9).tolist()[0]

@@ -30,7 +30,7 @@ import torch._dynamo
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.model.layers import FEW_ROWS
 from mtpserve.runner.graph_inputs import StaticInputs, sampling_buffers
-from mtpserve.step import Pass, Row
+from mtpserve.step import Pass, Row, fused_kv_reach
 
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
@@ -158,8 +158,8 @@ class GraphRunner:
         fn, buf = self._graph(self.key(which, size, q))
         for target, value in zip(buf.sampling, sampling or []):   # (padding rows keep theirs: outputs dropped)
             target[:n].copy_(value)
-        ids, probs, hidden = fn(*buf.load(rows, q, self.kv_bucket(max(r.start for r in rows) + 2 * q - 1),
-                                          self.block_size, size))
+        bucket = self.kv_bucket(fused_kv_reach(max(r.start for r in rows), q - 1))
+        ids, probs, hidden = fn(*buf.load(rows, q, bucket, self.block_size, size))
         hidden = hidden[:n * q].clone() if self.cuda_graphs else hidden[:n * q]   # (as run's output)
         return ids[:n].tolist(), None if probs is None else probs[:n].clone(), hidden
 

@@ -12,7 +12,7 @@ from mtpserve.sampling.sampler import TARGET_NOISE, draw, request_probs, sample
 from mtpserve.spec_decode import fused
 from mtpserve.spec_decode.proposer import make_proposer, proposer_class
 from mtpserve.spec_decode.verifier import Verifier
-from mtpserve.step import FUSED, FUSED_SAMPLED, MAIN, Pass, Row, StepResult, flat_rows
+from mtpserve.step import FUSED, FUSED_SAMPLED, MAIN, Pass, Row, StepResult, flat_rows, fused_kv_reach
 
 
 def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
@@ -109,7 +109,7 @@ class ModelRunner:
         if (which, q) not in self.fused_eagerly:
             self.fused_eagerly[which, q] = fused.fused_step(self.model, self.main_caches, self.mtp_caches,
                                                             self.block_size, self.spec, which, q, static=False)
-        bucket = -(-(max(r.start for r in rows) + 2 * q - 1) // self.block_size)   # (blocks the step writes in)
+        bucket = -(-fused_kv_reach(max(r.start for r in rows), q - 1) // self.block_size)
         ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, self.block_size)
         tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
         outs, probs, hidden = self.fused_eagerly[which, q](

@@ -16,7 +16,8 @@ logger = logging.getLogger("mtpserve")
 
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 4.0   # DeepSeek-V3 reports 85-90% for its MTP module's first draft
 DECAY = 0.995                               # per verified draft: the counts follow a drifting workload
-SWITCH_MARGIN, DRIFT_STEPS = 0.02, 16        # the k in use stays unless another rates 2% better
+SWITCH_MARGIN = 0.02                        # the k in use stays unless another rates 2% better
+DRIFT_STEPS = 16                            # steady steps whose time ratios to the table set the drift
 EXPLORE_EVERY = 64                          # a step drafting one more than the best (k = 0 alone never learns)
 
 

@@ -23,7 +23,7 @@ from mtpserve.sampling.sampler import ACCEPT_UNIFORM, TARGET_NOISE, draw, logits
 from mtpserve.spec_decode.mtp import mtp_passes
 from mtpserve.spec_decode.verifier import stack_draft_probs
 from mtpserve.spec_decode.verify import coupled_rows, verify_tokens
-from mtpserve.step import FUSED, FUSED_SAMPLED, Pass
+from mtpserve.step import FUSED, FUSED_SAMPLED, Pass, fused_kv_reach
 
 
 def fused_step(model, main_caches, mtp_caches, block_size: int, spec, which: Pass, q: int, static: bool = True):
@@ -190,7 +190,7 @@ def fused_graph(runner, scheduled) -> Pass | None:
     if not all(_decodes(s, k) and s.num_next_drafts == k for s in scheduled):
         return None
     which = FUSED if all(s.req.params.greedy and not s.req.params.penalizes for s in scheduled) else FUSED_SAMPLED
-    return which if all(s.start + 1 + 2 * k <= runner.max_positions for s in scheduled) else None
+    return which if all(fused_kv_reach(s.start, k) <= runner.max_positions for s in scheduled) else None
 
 
 def _decodes(s, k: int) -> bool:
