@@ -290,7 +290,7 @@ def test_top_k_top_p_from_candidates_equals_sorting_whole_rows():
     """The filter looks at each row's best CANDIDATES tokens and sorts a whole row only when its kept set may
     reach past them: the distributions equal a whole-row sort's, for top-k within and past the candidates, top-p
     sets that fit and that do not, flat and peaked rows, unfiltered and greedy rows in the same batch; and the
-    graph form (static: conditionals instead of host branches) compiles to the same."""
+    graph form (static: no host branch outside the filter's opaque op) compiles to the same."""
     from mtpserve.sampling.sampler import CANDIDATES, _sorted_top_k_top_p, logits_to_probs
     gen = torch.Generator().manual_seed(0)
     rows, vocab = 64, 4096
@@ -301,7 +301,7 @@ def test_top_k_top_p_from_candidates_equals_sorting_whole_rows():
     top_p = torch.tensor([1.0, 0.9, 0.5, 0.99, 0.95, 0.8, 0.3, 0.999] * 8)
     scaled = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(-1)
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    want = _sorted_top_k_top_p(None, scaled, (top_k > 0) | (top_p < 1), k, top_p).softmax(-1)
+    want = _sorted_top_k_top_p(scaled, (top_k > 0) | (top_p < 1), k, top_p).softmax(-1)
     greedy = temperature == 0
     want[greedy] = torch.zeros(int(greedy.sum()), vocab).scatter(1, logits[greedy].argmax(-1, keepdim=True), 1.0)
     got = logits_to_probs(logits, temperature, top_k, top_p)
@@ -312,5 +312,5 @@ def test_top_k_top_p_from_candidates_equals_sorting_whole_rows():
     assert torch.equal(graph > 0, want > 0)
     torch.testing.assert_close(graph, want)
     fit = [r for r in range(rows) if top_k[r] <= CANDIDATES and temperature[r] > 0]
-    graph = compiled(logits[fit], temperature[fit], top_k[fit], top_p[fit])   # the conditional's other branch
+    graph = compiled(logits[fit], temperature[fit], top_k[fit], top_p[fit])   # no row sorted whole
     torch.testing.assert_close(graph, want[fit])

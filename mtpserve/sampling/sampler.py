@@ -7,6 +7,7 @@ E ~ Exp(1) i.i.d. is a draw from p, and greedy requests (one-hot p) get their ar
 """
 import torch
 
+from mtpserve.model.ops import opaque_op
 
 MIN_TEMPERATURE = 1e-5
 
@@ -15,8 +16,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
                     top_p: torch.Tensor, min_p: torch.Tensor | None = None, static: bool = False) -> torch.Tensor:
     """logits [M, V]; per-row temperature (0 = greedy), top_k (<= 0 = off), top_p, min_p (0 or None: off) ->
     probs [M, V] (fp32). Each row's distribution depends on its own parameters only. static: no host branch on
-    the values (inside a compiled graph: the top-k/top-p filter is a graph conditional, greedy rows picked by a
-    select). min_p acts on the tempered distribution before top-k/top-p, as in vLLM."""
+    the values (inside a compiled graph: greedy rows picked by a select; the top-k/top-p filter is one opaque op
+    in both). min_p acts on the tempered distribution before top-k/top-p, as in vLLM."""
     logits = logits.float()
     greedy = temperature == 0
     if not static and bool(greedy.all()):
@@ -26,13 +27,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     if min_p is not None and (static or bool((min_p > 0).any())):   # p < min_p * p_max <=> logit < max + log(min_p)
         floor = scaled.max(-1, keepdim=True).values + min_p.clamp_min(1e-30).log().unsqueeze(-1)
         scaled = scaled.masked_fill((scaled < floor) & (min_p > 0).unsqueeze(-1), float("-inf"))
-    filtered = (top_k > 0) | (top_p < 1)
-    if static:   # (the filter only when some row filters)
-        scaled = torch.cond(filtered.any(), lambda *a: _top_k_top_p(*a, static=True), lambda s, *_: s.clone(),
-                            (scaled, filtered, top_k, top_p))
-    elif bool(filtered.any()):
-        scaled = _top_k_top_p(scaled, filtered, top_k, top_p)
-    probs = scaled.softmax(-1)
+    probs = top_k_top_p(scaled, top_k, top_p).softmax(-1)
     if static or bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
@@ -40,16 +35,21 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 
 
 # The top-k / top-p filter looks at each row's best CANDIDATES tokens (a partial top-k, ~20x cheaper than sorting
-# a 4096-token vocabulary on the CPU) and sorts a whole row only when its kept set may reach past them (inside a
-# graph: every row, when any row needs it).
+# a 4096-token vocabulary on the CPU) and sorts a whole row only when its kept set may reach past them. In a graph
+# it is one opaque op, so its host branches stay (a graph conditional there would keep inductor from caching the
+# graph); under CUDA graphs (no host reads) every row takes both paths.
 CANDIDATES = 64
 
 
-def _top_k_top_p(scaled: torch.Tensor, filtered: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 static: bool = False) -> torch.Tensor:
-    """The filtered rows' logits with the tokens outside their top-k / top-p set at -inf; other rows as given.
+@opaque_op("top_k_top_p(Tensor scaled, Tensor top_k, Tensor top_p) -> Tensor",
+           lambda scaled, *_: scaled.new_empty(scaled.shape))
+def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """scaled [M, V] with the tokens outside each row's top-k / top-p set at -inf (top_k <= 0 and top_p = 1: off).
     A token is dropped when its rank is top_k or more, or when the mass of the tokens ranked before it (in the
     top-k-restricted distribution) reaches top_p; the first token is always kept."""
+    filtered, both_paths = (top_k > 0) | (top_p < 1), scaled.is_cuda   # (CUDA graphs: no host reads)
+    if not both_paths and not bool(filtered.any()):
+        return scaled.clone()
     vocab = scaled.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     width = min(CANDIDATES, vocab)
@@ -68,18 +68,16 @@ def _top_k_top_p(scaled: torch.Tensor, filtered: torch.Tensor, top_k: torch.Tens
     fits = (k <= width) | ((k == vocab) & (probs.sum(-1) >= top_p)) | ~filtered
     kept = torch.full_like(scaled, float("-inf")).scatter(-1, order, values.masked_fill(~keep, float("-inf")))
     kept = torch.where(filtered.unsqueeze(-1), kept, scaled)
-    if static:
-        return torch.cond(fits.all(), lambda kept, *_: kept.clone(), _sorted_top_k_top_p,
-                          (kept, scaled, filtered, k, top_p))
+    if both_paths:
+        return torch.where(fits.unsqueeze(-1), kept, _sorted_top_k_top_p(scaled, filtered, k, top_p))
     if not bool(fits.all()):   # only the rows that need it sorted
         wide = (~fits).nonzero().squeeze(1)
-        kept[wide] = _sorted_top_k_top_p(kept[wide], scaled[wide], filtered[wide], k[wide], top_p[wide])
+        kept[wide] = _sorted_top_k_top_p(scaled[wide], filtered[wide], k[wide], top_p[wide])
     return kept
 
 
-def _sorted_top_k_top_p(kept, scaled, filtered, k, top_p):
-    """The same filter over whole sorted rows (a row whose kept set may reach past the candidates). kept: unused
-    (a graph conditional's two branches take the same operands)."""
+def _sorted_top_k_top_p(scaled, filtered, k, top_p):
+    """The same filter over whole sorted rows (a row whose kept set may reach past the candidates)."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(scaled.shape[-1], device=scaled.device)
     drop = ranks.unsqueeze(0) >= k.unsqueeze(-1)
