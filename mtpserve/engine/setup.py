@@ -9,6 +9,7 @@ from mtpserve.distributed.launch import Launch, check_devices, end_processes
 from mtpserve.executor.worker import RankSetup, run_rank, worker_process
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from mtpserve.model.parallel import parallel_layout
+from mtpserve.runner.graphs import compile_later_refusal
 from mtpserve.spec_decode.proposer import proposer_class
 
 
@@ -73,10 +74,9 @@ def background_compile_refusal(enforce_eager: bool | None, device: torch.device,
     mode and a fixed k (adaptive k times its graphs at start-up)."""
     if enforce_eager is not False:
         return "graph mode only (enforce_eager = False, --graph-mode)"
-    if world_size > 1:
-        return f"one process only ({world_size} ranks: their graphs run collectives in step)"
-    if device.type != "cpu":
-        return f"CPU only (device = {device.type!r}: CUDA graphs are captured at start-up)"
+    why = compile_later_refusal(device.type, world_size)
+    if why is not None:
+        return why
     if spec is not None and spec.adaptive:
         return ("not with adaptive k (its start-up calibration times the graphs): set speculative_config "
                 "\"adaptive\": false")

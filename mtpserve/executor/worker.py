@@ -17,6 +17,7 @@ from mtpserve.model.loader import LoadStats, load_model, load_tokenizer
 from mtpserve.model.parallel import parallel_layout
 from mtpserve.runner.dp_runner import DataParallelRunner
 from mtpserve.runner.dp_sync import DataParallelSync
+from mtpserve.runner.graphs import compile_later_refusal
 from mtpserve.runner.model_runner import ModelRunner, num_drafter_caches
 from mtpserve.sampling.grammar import compiler_for
 from mtpserve.spec_decode.draft_vocab import load_draft_vocab
@@ -117,7 +118,7 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
         runner = ModelRunner(*runner_args, compile_in_background=cfg.compile_in_background)
     else:
         runner = DataParallelRunner(*runner_args, dp=dp)
-    runner.warm_up_graphs()
+    runner.warm_up_graphs(can_compile_later=compile_later_refusal(device.type, launch.world_size) is None)
     summary = rank_summary(rank, runner, stats, load_rss_rise, load_seconds)
     every = [summary]
     if control is not None:

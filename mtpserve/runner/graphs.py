@@ -16,6 +16,8 @@ Anything else (prefill chunks, batches above the largest size) runs eagerly in t
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
 queues its graph for a compiler thread and runs eagerly, as do the steps after it until the graph is built:
     step 1 fused b1 q3: queued, eager   ...   step 40 fused b1 q3: graph   (the thread took ~30 s cold)
+Without it, in one CPU process, MTP builds the fused step's graphs at start-up and the model's passes apart
+(ModelRunner.warm_up_graphs) that way.
 """
 import logging
 import queue
@@ -50,7 +52,7 @@ class GraphRunner:
         self.graphs: dict[tuple, tuple] = {}    # (Pass, batch or MANY, query_len) -> (compiled fn, static buffers)
         self.compile_seconds = 0.0
         self.background = background
-        self.shapes: set[tuple[Pass, int]] = set()   # (pass, query length) graphs are built for (warm_up)
+        self.later: set[tuple[Pass, int]] = set()   # (pass, query length): graphs built when first needed
         self._queued: set[tuple] = set()
         self._to_compile: queue.Queue = queue.Queue()   # keys, then None: stop
         self._compiler: threading.Thread | None = None
@@ -89,10 +91,10 @@ class GraphRunner:
                 and self.indexed(which, q) == (output_index is not None) and self.ready(self.key(which, size, q)))
 
     def ready(self, key: tuple) -> bool:
-        """The graph `key` is built; background mode queues a missing one of warm_up's."""
+        """The graph `key` is built; queues it for the compiler thread if it is one of the `later` ones."""
         if key in self.graphs:
             return True
-        if self.background and (key[0], key[2]) in self.shapes and key not in self._queued:
+        if (key[0], key[2]) in self.later and key not in self._queued:
             self._queued.add(key)
             self._to_compile.put(key)
             if self._compiler is None:
@@ -107,21 +109,26 @@ class GraphRunner:
             # of ops waits seconds on a compiling thread (stalls of ~20 s per step: docs/history.md).
             sys.setswitchinterval(COMPILING_SWITCH_INTERVAL)
             try:
-                built = self._build(*key)
+                self.graphs[key] = self._build(*key)
+                logger.info("graph %s built in the background in %.1fs (%d built)", key,
+                            time.perf_counter() - start, len(self.graphs))
             except Exception:   # (that shape keeps running eagerly)
                 logger.exception("graph %s: compiling failed; its steps run eagerly", key)
-                continue
             finally:
                 sys.setswitchinterval(switch)
-            self.graphs[key] = built
-            logger.info("graph %s built in the background in %.1fs (%d built)", key, time.perf_counter() - start,
-                        len(self.graphs))
+                self._to_compile.task_done()
+        self._to_compile.task_done()   # (the None that stopped it)
+
+    def drain(self) -> None:
+        """Waits until the compiler thread has built every graph queued so far."""
+        self._to_compile.join()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stops the compiler thread after the graph it builds, waiting `timeout` s at most (a daemon thread)."""
         if self._compiler is not None:
             while not self._to_compile.empty():
                 self._to_compile.get_nowait()
+                self._to_compile.task_done()
             self._to_compile.put(None)
             self._compiler.join(timeout)
 
@@ -230,11 +237,19 @@ class GraphRunner:
             return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
         return step
 
-    def warm_up(self, shapes: list[tuple[Pass, int]]) -> None:
-        """Builds the graph of every (pass, query length) in `shapes` for every batch size (background mode: as
-        steps first need them)."""
-        self.shapes = set(shapes)
-        if self.background:
-            return
-        for key in dict.fromkeys(self.key(which, b, q) for b in self.batch_sizes for which, q in shapes):
+    def warm_up(self, shapes: list[tuple[Pass, int]], later: list[tuple[Pass, int]] = ()) -> None:
+        """Builds the graph of every (pass, query length) in `shapes` for every batch size, those in `later` as
+        steps first need them (background mode: all of them)."""
+        self.later = set(shapes) if self.background else set(later)
+        for key in dict.fromkeys(self.key(which, b, q) for b in self.batch_sizes for which, q in shapes
+                                 if (which, q) not in self.later):
             self._graph(key)
+
+
+def compile_later_refusal(device_type: str, world_size: int) -> str | None:
+    """Why graphs cannot be built by a compiler thread while steps run (None: they can)."""
+    if world_size > 1:
+        return f"one process only ({world_size} ranks: their graphs run collectives in step)"
+    if device_type != "cpu":
+        return f"CPU only (device = {device_type!r}: CUDA graphs are captured at start-up)"
+    return None

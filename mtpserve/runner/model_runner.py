@@ -69,16 +69,19 @@ class ModelRunner:
         return self.model.mtp_forward(which.layer, input_ids, positions, prev_hidden, meta,
                                       self.mtp_caches[which.layer], index)
 
-    def warm_up_graphs(self) -> float:
-        """Compiles/captures every graph now (start-up); returns the seconds it took."""
+    def warm_up_graphs(self, can_compile_later: bool = False) -> float:
+        """Compiles/captures every graph now (start-up); returns the seconds it took. can_compile_later: a
+        compiler thread may build graphs while steps run (one CPU process). There, MTP steps that fuse build only
+        the fused step's graphs now; the model's passes apart (steps of requests with host processors, a step
+        after a prompt or changing k) when a step first needs them, eager until then (docs/history.md)."""
         if self.graphs is None:
             return 0.0
         verified = self.spec.verified_draft_counts if self.spec is not None else [0]
-        shapes = [(MAIN, 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
-        if self.fuses:
-            for k in verified:   # (adaptive k: 0 too, plain decoding with the MTP layers' KV passes)
-                shapes += [(FUSED, 1 + k), (FUSED_SAMPLED, 1 + k)]
-        self.graphs.warm_up(list(dict.fromkeys(shapes)))
+        apart = [(MAIN, 1 + v) for v in verified] + (self.proposer.graph_shapes() if self.proposer else [])
+        # (adaptive k: 0 too, plain decoding with the MTP layers' KV passes)
+        fused_shapes = [(which, 1 + k) for k in verified for which in (FUSED, FUSED_SAMPLED)] if self.fuses else []
+        later = apart if fused_shapes and can_compile_later else []
+        self.graphs.warm_up(list(dict.fromkeys(fused_shapes + apart)), later)
         return self.graphs.compile_seconds
 
     def _fused_step(self, which: Pass, scheduled) -> list[StepResult]:
