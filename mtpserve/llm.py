@@ -47,6 +47,8 @@ class LLM:
             raise ValueError("sampling_params: expected SamplingParams (or a list of them, one per prompt)")
         ids = [str(next(self._ids)) for _ in items]
         done: dict[str, RequestOutput] = {}
+        if not self.engine.has_unfinished_requests():
+            self.engine.idle()
         try:
             for rid, (prompt, tokens), p in zip(ids, items, params):
                 self.engine.add_request(rid, prompt, tokens, p)

@@ -135,7 +135,8 @@ def recording_drafts(llm) -> list:
 def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     """Graph mode with adaptive k (up to 2, 3 MTP layers: layer 1 chained, its KV written also by steps
     drafting one token or none): a step that keeps the k of the step before runs the fused graph of that k
-    (greedy and sampled; k = 0 too); a step changing k runs the separate graphs and eager chained passes. Tokens
+    (greedy and sampled; k = 0 too); a step changing k runs apart (its graphs built by the compiler thread when
+    first needed, eager until then; chained passes eager). Tokens
     are those of eager without speculation, and every step's drafts those of eager adaptive with the same choices
     of k (the graph engine's MTP caches filled with noise first: a slot read before it is written would change
     them)."""
@@ -240,3 +241,36 @@ def test_sampling_lossless_while_k_switches(tmp_path_factory, monkeypatch):
         outs += llm.generate(prompt_token_ids=[prompt] * (num // 6), sampling_params=params, use_tqdm=False)
     assert_follows(outs, joint)
     assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_path, monkeypatch):
+    """compile_in_background with adaptive k: the start-up calibration times eager steps and queues their graphs;
+    once the compiler thread has built them, the engine's idle work (LLM.generate runs it) times the same steps
+    as graphs. Greedy tokens equal no speculation's before, during and after."""
+    import threading
+    from mtpserve.runner.graphs import GraphRunner
+    path = random_checkpoint(tmp_path, num_nextn_predict_layers=1, num_hidden_layers=2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = prompts_for()[:1]
+    want = [o.outputs[0].token_ids for o in LLM(path).generate(prompt_token_ids=prompts, sampling_params=params,
+                                                                use_tqdm=False)]
+    start_building, build = threading.Event(), GraphRunner._build   # (a warm inductor cache builds in seconds)
+    monkeypatch.setattr(GraphRunner, "_build", lambda runner, *key: start_building.wait() and build(runner, *key))
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 1}, enforce_eager=False, graph_batch_sizes=[1],
+              max_num_seqs=1, max_model_len=64, compile_in_background=True)
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    assert engine.graphs_timed == 0 and {(str(w), q) for w, _, q in graphs._queued} >= {("fused", 1), ("fused", 2)}
+    table = engine.policy.table
+    start_building.set()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                         use_tqdm=False)] == want
+    graphs.drain()
+    runs, run_fused = [], graphs.run_fused
+    graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert engine.graphs_timed == len(graphs.graphs) >= 2 and engine.policy.table is not table
+    assert set(engine.policy.table) == {0, 1} and len(runs) > 8   # (the timing's steps, then the request's)
+    engine.idle()   # nothing new built: no timing again
+    assert engine.graphs_timed == len(graphs.graphs)
+    engine.shutdown()

@@ -229,7 +229,6 @@ def test_compile_in_background_serves_at_once_then_runs_the_graph(ckpt):
 
 @pytest.mark.parametrize("kwargs, why", [
     (dict(enforce_eager=True), "graph mode only"),
-    (dict(enforce_eager=False, speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "adaptive"),
     (dict(enforce_eager=False, tensor_parallel_size=2), "one process only")])
 def test_compile_in_background_refused_where_it_cannot_work(ckpt, kwargs, why):
     with pytest.raises(ValueError, match=f"compile_in_background: .*{why}"):

@@ -317,6 +317,9 @@ class FakeEngine:
     def check_health(self):
         pass
 
+    def idle(self):
+        pass
+
     def has_unfinished_requests(self):
         return bool(self.reqs)
 
@@ -442,13 +445,13 @@ def test_serve_leaves_a_core_to_the_http_server(monkeypatch):
 
 def test_serve_compiles_graphs_in_the_background_by_default_where_that_starts_at_once():
     """`mtpserve serve` on the CPU without --enforce-eager / --graph-mode: graph mode compiled in the background
-    for no speculation and a fixed k; adaptive k and several ranks stay eager; a flag given is kept."""
+    for no speculation, a fixed k and adaptive k; several ranks stay eager; a flag given is kept."""
     import argparse
     from mtpserve.engine_args import engine_kwargs
     from mtpserve.serve.server import add_serve_args, serving_graph_mode
     fixed = '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}'
     for argv, background in [([], True), (["--speculative-config", fixed], True),
-                             (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'], False),
+                             (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'], True),
                              (["-tp", "2"], False), (["--enforce-eager"], False), (["--graph-mode"], False),
                              (["--speculative-config", '{"method": "ngram"}'], True)]:
         args = add_serve_args(argparse.ArgumentParser()).parse_args(["--device", "cpu", *argv])

@@ -172,13 +172,15 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
-                    if not self._wake.wait(timeout=1.0) and not self._healthy():
-                        break
+                idle = False   # a second without work: the health check, then the engine's idle work
+                while not idle and not self._commands and not self._stop and not self.engine.has_unfinished_requests():
+                    idle = not self._wake.wait(timeout=1.0)
                 if self._stop:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+            if idle and not self._healthy():
+                break
             added = 0   # adds that entered the engine: they stop counting as pending at the next refresh
             try:
                 for command in commands:
@@ -188,6 +190,8 @@ class AsyncEngine:
                     added = 0
                 elif self._streams:   # the engine dropped requests without a final output
                     self._fail_all(EngineError("the engine dropped the request"), abort=False)
+                elif idle:   # (requests sent meanwhile wait for it: adaptive k's timing, seconds, once per graph set)
+                    self.engine.idle()
             except Exception as e:   # never let the loop die
                 logger.exception("engine loop iteration failed")
                 self._fail_all(EngineError(f"engine failure: {type(e).__name__}: {e}"))

@@ -64,12 +64,24 @@ class LLMEngine:
         self.grammars = None   # structured outputs: the grammar compiler, made on first use (validation.py)
         self.children: dict[str, list[Request]] = {}
         self.overlap = Overlap(self) if cfg.overlap else None   # (engine/overlap.py)
+        self.graphs_timed: int | None = None   # graphs built when adaptive k last timed its steps (None: never)
 
     def calibrate(self) -> None:
         """Start-up, adaptive speculation length: times decode steps of every k (spec_decode/calibration.py);
-        until then the policy drafts the maximum k."""
+        until then the policy drafts the maximum k. Graphs compiled in the background: the steps it times run
+        eagerly and queue their graphs; `idle` times them again once those are built."""
         if self.policy.adapts:
             calibration.calibrate(self, self.policy)
+            self.graphs_timed = len(self.runner.graphs.graphs) if self.use_graphs else 0
+
+    def idle(self) -> None:
+        """While no request runs (the server's loop, LLM.generate): a calibrated adaptive k times its steps again
+        once the compiler thread has built every graph queued, if it built some since the last timing:
+            start-up: eager steps timed, 6 graphs queued ... built ... idle: the same steps timed as graphs."""
+        graphs = self.runner.graphs
+        if (self.graphs_timed is not None and self.use_graphs and graphs.background and not graphs.compiling()
+                and len(graphs.graphs) > self.graphs_timed and not self.has_unfinished_requests()):
+            self.calibrate()
 
     def reset_stats(self) -> None:
         """Forgets the spec-decode counters and preemption counts (after the calibration's steps)."""

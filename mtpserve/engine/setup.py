@@ -56,7 +56,7 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
         raise ValueError(f"overlap: one process only ({launch.world_size} ranks asked for); turn it off for tensor "
                          "or data parallelism")
     if cfg.compile_in_background:
-        why = background_compile_refusal(cfg.enforce_eager, device, launch.world_size, cfg.speculative)
+        why = background_compile_refusal(cfg.enforce_eager, device, launch.world_size)
         if why is not None:
             raise ValueError(f"compile_in_background: {why}")
     if launch.world_size > 1:
@@ -68,19 +68,12 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
                      lookahead, k + 1 + lookahead, launch, resolve_quantization(cfg.quantization, model_config))
 
 
-def background_compile_refusal(enforce_eager: bool | None, device: torch.device, world_size: int,
-                               spec: SpeculativeConfig | None) -> str | None:
+def background_compile_refusal(enforce_eager: bool | None, device: torch.device, world_size: int) -> str | None:
     """Why graphs cannot be compiled in the background here (None: they can): that needs one CPU process in graph
-    mode and a fixed k (adaptive k times its graphs at start-up)."""
+    mode."""
     if enforce_eager is not False:
         return "graph mode only (enforce_eager = False, --graph-mode)"
-    why = compile_later_refusal(device.type, world_size)
-    if why is not None:
-        return why
-    if spec is not None and spec.adaptive:
-        return ("not with adaptive k (its start-up calibration times the graphs): set speculative_config "
-                "\"adaptive\": false")
-    return None
+    return compile_later_refusal(device.type, world_size)
 
 
 def int8_activation_dtype(asked: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -119,6 +119,10 @@ class GraphRunner:
                 self._to_compile.task_done()
         self._to_compile.task_done()   # (the None that stopped it)
 
+    def compiling(self) -> bool:
+        """Some queued graph is not built yet."""
+        return self._to_compile.unfinished_tasks > 0
+
     def drain(self) -> None:
         """Waits until the compiler thread has built every graph queued so far."""
         self._to_compile.join()

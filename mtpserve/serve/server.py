@@ -60,15 +60,14 @@ def build_engine(args):
 
 def serving_graph_mode(kwargs: dict) -> dict:
     """`serve` on the CPU with neither --enforce-eager nor --graph-mode: graph mode with each graph compiled in
-    the background when a step first needs it, where that starts at once (one process; no speculation or a
-    fixed k). Adaptive k times its graphs at start-up, so it stays eager there, as `generate` and LLM do."""
-    from mtpserve.config import SpeculativeConfig
+    the background when a step first needs it, where that starts at once (one process). `generate` and LLM stay
+    eager on the CPU unless asked."""
     from mtpserve.engine.setup import background_compile_refusal, resolve_device_dtype
     if kwargs["enforce_eager"] is not None:
         return kwargs
     device, _ = resolve_device_dtype(kwargs["device"], kwargs["dtype"])
     ranks = kwargs["tensor_parallel_size"] * kwargs["data_parallel_size"]
-    if background_compile_refusal(False, device, ranks, SpeculativeConfig.from_dict(kwargs["speculative_config"])):
+    if background_compile_refusal(False, device, ranks):
         return kwargs
     return kwargs | dict(enforce_eager=False, compile_in_background=True)
 
