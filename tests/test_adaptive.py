@@ -245,8 +245,8 @@ def test_sampling_lossless_while_k_switches(tmp_path_factory, monkeypatch):
 
 def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_path, monkeypatch):
     """compile_in_background with adaptive k: the start-up calibration times eager steps and queues their graphs;
-    once the compiler thread has built them, the engine's idle work (LLM.generate runs it) times the same steps
-    as graphs. Greedy tokens equal no speculation's before, during and after."""
+    once the compiler thread has built them, the engine's idle work times the same steps as graphs, leaving the
+    counters a server reports as they were. Greedy tokens equal no speculation's before, during and after."""
     import threading
     from mtpserve.runner.graphs import GraphRunner
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=1, num_hidden_layers=2)
@@ -267,10 +267,14 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     graphs.drain()
     runs, run_fused = [], graphs.run_fused
     graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
+    before = llm.get_metrics()
+    engine.idle()   # (LLM.generate runs it too) the steps timed again, as graphs; they count in no metric
+    assert llm.get_metrics() == before and before["num_drafts"] > 0
+    assert engine.graphs_timed == len(graphs.graphs) >= 2 and engine.policy.table is not table
+    assert set(engine.policy.table) == {0, 1} and len(runs) > 8
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert engine.graphs_timed == len(graphs.graphs) >= 2 and engine.policy.table is not table
-    assert set(engine.policy.table) == {0, 1} and len(runs) > 8   # (the timing's steps, then the request's)
+    timed = engine.policy.table
     engine.idle()   # nothing new built: no timing again
-    assert engine.graphs_timed == len(graphs.graphs)
+    assert engine.policy.table is timed
     engine.shutdown()

@@ -1,4 +1,5 @@
 """The engine loop: schedule -> execute -> update."""
+import copy
 import logging
 import time
 
@@ -71,7 +72,9 @@ class LLMEngine:
         until then the policy drafts the maximum k. Graphs compiled in the background: the steps it times run
         eagerly and queue their graphs; `idle` times them again once those are built."""
         if self.policy.adapts:
+            kept = self.counters()
             calibration.calibrate(self, self.policy)
+            self.restore_counters(kept)   # (its steps count nowhere: a server's counters only grow)
             self.graphs_timed = len(self.runner.graphs.graphs) if self.use_graphs else 0
 
     def idle(self) -> None:
@@ -82,6 +85,16 @@ class LLMEngine:
         if (self.graphs_timed is not None and self.use_graphs and graphs.background and not graphs.compiling()
                 and len(graphs.graphs) > self.graphs_timed and not self.has_unfinished_requests()):
             self.calibrate()
+
+    def counters(self) -> tuple:
+        """The cumulative counters (spec decoding; per scheduler preemptions, prefix-cache queries and hits)."""
+        return copy.deepcopy(self.spec_metrics), [(s.num_preemptions, s.block_manager.num_queries,
+                                                   s.block_manager.num_hits) for s in self.schedulers]
+
+    def restore_counters(self, kept: tuple) -> None:
+        self.spec_metrics = copy.deepcopy(kept[0])
+        for s, (preemptions, queries, hits) in zip(self.schedulers, kept[1]):
+            s.num_preemptions, s.block_manager.num_queries, s.block_manager.num_hits = preemptions, queries, hits
 
     def reset_stats(self) -> None:
         """Forgets the spec-decode counters and preemption counts (after the calibration's steps)."""

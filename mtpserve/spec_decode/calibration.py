@@ -23,6 +23,7 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
     per_request = -(-(prompt_len + params.max_tokens + engine.max_step_overshoot) // block_size)
     most = max(1, min(engine.max_num_seqs, engine.block_manager.num_blocks // per_request,   # (no preemption)
                       engine.config.max_num_batched_tokens // (1 + policy.max_k)))         # (one step at every k)
+    learned = dict(reached=policy.reached[:], accepted=policy.accepted[:], choices=policy.choices[:])   # (kept)
     turn = [k for k in range(policy.max_k + 1) for _ in range(HOLD)]
     times = {k: {} for k in turn}
 
@@ -47,7 +48,6 @@ def calibrate(engine, policy: AdaptiveK, prompt_len: int = 16, max_tokens: int =
             if fewest(batch) >= TIMED_PER_K:
                 break
     table = {k: {b: statistics.median(t) for b, t in by_batch.items()} for k, by_batch in times.items()}
-    vars(policy).update(vars(AdaptiveK(policy.max_k, table=table if all(table.values()) else {})))   # (or none)
-    engine.reset_stats()
+    vars(policy).update(vars(AdaptiveK(policy.max_k, table=table if all(table.values()) else {}, **learned)))
     logger.info("adaptive speculation: step costs calibrated in %.1fs (ms by k, then batch size): %s", time.monotonic()
                 - started, {k: {b: round(s * 1e3, 2) for b, s in sorted(t.items())} for k, t in policy.table.items()})
