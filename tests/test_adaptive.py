@@ -244,11 +244,13 @@ def test_sampling_lossless_while_k_switches(tmp_path_factory, monkeypatch):
 
 
 def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_path, monkeypatch):
-    """compile_in_background with adaptive k: the start-up calibration times eager steps and queues their graphs;
-    once the compiler thread has built them, the engine's idle work times the same steps as graphs, leaving the
-    counters a server reports as they were. Greedy tokens equal no speculation's before, during and after."""
+    """compile_in_background with adaptive k: the start-up calibration times eager steps and queues their graphs
+    (the compiler thread starts after it); once the thread has built them, the engine's idle work times the same
+    steps as graphs, leaving the counters a server reports as they were. Greedy tokens equal no speculation's
+    before, during and after."""
     import threading
     from mtpserve.runner.graphs import GraphRunner
+    from mtpserve.spec_decode import calibration
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=1, num_hidden_layers=2)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = prompts_for()[:1]
@@ -256,10 +258,18 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
                                                                 use_tqdm=False)]
     start_building, build = threading.Event(), GraphRunner._build   # (a warm inductor cache builds in seconds)
     monkeypatch.setattr(GraphRunner, "_build", lambda runner, *key: start_building.wait() and build(runner, *key))
+    after_timing, calibrate = [], calibration.calibrate   # (the compiler thread, started only after the timing)
+
+    def timing(engine, policy):
+        calibrate(engine, policy)
+        after_timing.append((engine.runner.graphs._compiler, len(engine.runner.graphs._queued)))
+    monkeypatch.setattr(calibration, "calibrate", timing)
     llm = LLM(path, speculative_config={"num_speculative_tokens": 1}, enforce_eager=False, graph_batch_sizes=[1],
               max_num_seqs=1, max_model_len=64, compile_in_background=True)
     engine, graphs = llm.engine, llm.engine.runner.graphs
-    assert engine.graphs_timed == 0 and {(str(w), q) for w, _, q in graphs._queued} >= {("fused", 1), ("fused", 2)}
+    queued = {(str(which), q) for which, _, q in graphs._queued}
+    assert engine.graphs_timed == 0 and queued >= {("fused", 1), ("fused", 2)}
+    assert after_timing[0][0] is None and after_timing[0][1] >= 2 and graphs._compiler is not None
     table = engine.policy.table
     start_building.set()
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,

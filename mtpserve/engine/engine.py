@@ -73,7 +73,13 @@ class LLMEngine:
         eagerly and queue their graphs; `idle` times them again once those are built."""
         if self.policy.adapts:
             kept = self.counters()
-            calibration.calibrate(self, self.policy)
+            if self.use_graphs:   # (its steps timed without a compiler thread beside them)
+                self.runner.graphs.hold(True)
+            try:
+                calibration.calibrate(self, self.policy)
+            finally:
+                if self.use_graphs:
+                    self.runner.graphs.hold(False)
             self.restore_counters(kept)   # (its steps count nowhere: a server's counters only grow)
             self.graphs_timed = len(self.runner.graphs.graphs) if self.use_graphs else 0
 

@@ -56,6 +56,7 @@ class GraphRunner:
         self._queued: set[tuple] = set()
         self._to_compile: queue.Queue = queue.Queue()   # keys, then None: stop
         self._compiler: threading.Thread | None = None
+        self.held = False
         self.cuda_graphs = torch.device(device).type == "cuda"
         if self.cuda_graphs:   # a CUDA graph writes an input only at a fixed address (else inductor skips it)
             for cache in main_caches + mtp_caches:
@@ -97,10 +98,19 @@ class GraphRunner:
         if (key[0], key[2]) in self.later and key not in self._queued:
             self._queued.add(key)
             self._to_compile.put(key)
-            if self._compiler is None:
-                self._compiler = threading.Thread(target=self._compile_queued, name="mtpserve-compile", daemon=True)
-                self._compiler.start()
+            self._start_compiler()
         return False
+
+    def hold(self, held: bool) -> None:
+        """While held (adaptive k timing its start-up steps) graphs are queued, but the compiler thread does not
+        start; it starts on the first graph queued when not held."""
+        self.held = held
+        self._start_compiler()
+
+    def _start_compiler(self) -> None:
+        if not self.held and self._compiler is None and not self._to_compile.empty():
+            self._compiler = threading.Thread(target=self._compile_queued, name="mtpserve-compile", daemon=True)
+            self._compiler.start()
 
     def _compile_queued(self) -> None:
         while (key := self._to_compile.get()) is not None:
