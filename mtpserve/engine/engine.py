@@ -1,4 +1,5 @@
 """The engine loop: schedule -> execute -> update."""
+import contextlib
 import copy
 import logging
 import time
@@ -73,13 +74,9 @@ class LLMEngine:
         eagerly and queue their graphs; `idle` times them again once those are built."""
         if self.policy.adapts:
             kept = self.counters()
-            if self.use_graphs:   # (its steps timed without a compiler thread beside them)
-                self.runner.graphs.hold(True)
-            try:
+            # (its steps timed without a compiler thread beside them)
+            with self.runner.graphs.compiler_held() if self.use_graphs else contextlib.nullcontext():
                 calibration.calibrate(self, self.policy)
-            finally:
-                if self.use_graphs:
-                    self.runner.graphs.hold(False)
             self.restore_counters(kept)   # (its steps count nowhere: a server's counters only grow)
             self.graphs_timed = len(self.runner.graphs.graphs) if self.use_graphs else 0
 
@@ -103,11 +100,9 @@ class LLMEngine:
             s.num_preemptions, s.block_manager.num_queries, s.block_manager.num_hits = preemptions, queries, hits
 
     def reset_stats(self) -> None:
-        """Forgets the spec-decode counters and preemption counts (after the calibration's steps)."""
-        self.spec_metrics = SpecDecodeMetrics(self.spec_metrics.num_speculative_tokens)
-        for scheduler in self.schedulers:
-            scheduler.num_preemptions = 0
-            scheduler.block_manager.num_queries = scheduler.block_manager.num_hits = 0
+        """Sets the counters (see counters) back to zero."""
+        self.restore_counters((SpecDecodeMetrics(self.spec_metrics.num_speculative_tokens),
+                               [(0, 0, 0)] * len(self.schedulers)))
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (on every data-parallel rank)."""

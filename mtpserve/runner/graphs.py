@@ -19,6 +19,7 @@ queues its graph for a compiler thread and runs eagerly, as do the steps after i
 Without it, in one CPU process, MTP builds the fused step's graphs at start-up and the model's passes apart
 (ModelRunner.warm_up_graphs) that way.
 """
+import contextlib
 import logging
 import queue
 import sys
@@ -101,11 +102,15 @@ class GraphRunner:
             self._start_compiler()
         return False
 
-    def hold(self, held: bool) -> None:
-        """While held (adaptive k timing its start-up steps) graphs are queued, but the compiler thread does not
-        start; it starts on the first graph queued when not held."""
-        self.held = held
-        self._start_compiler()
+    @contextlib.contextmanager
+    def compiler_held(self):
+        """Graphs queued meanwhile (adaptive k timing its start-up steps) wait: the compiler thread starts after."""
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+            self._start_compiler()
 
     def _start_compiler(self) -> None:
         if not self.held and self._compiler is None and not self._to_compile.empty():
