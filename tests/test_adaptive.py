@@ -245,9 +245,9 @@ def test_sampling_lossless_while_k_switches(tmp_path_factory, monkeypatch):
 
 def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_path, monkeypatch):
     """compile_in_background with adaptive k: the start-up calibration times eager steps and queues their graphs
-    (the compiler thread starts after it); once the thread has built them, the engine's idle work times the same
-    steps as graphs, leaving the counters a server reports as they were. Greedy tokens equal no speculation's
-    before, during and after."""
+    (the compiler thread starts after it and builds the fused steps' first); once the thread has built them, the
+    engine's idle work times the same steps as graphs, leaving the counters a server reports as they were. Greedy
+    tokens equal no speculation's before, during and after."""
     import threading
     from mtpserve.runner.graphs import GraphRunner
     from mtpserve.spec_decode import calibration
@@ -257,7 +257,9 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     want = [o.outputs[0].token_ids for o in LLM(path).generate(prompt_token_ids=prompts, sampling_params=params,
                                                                 use_tqdm=False)]
     start_building, build = threading.Event(), GraphRunner._build   # (a warm inductor cache builds in seconds)
-    monkeypatch.setattr(GraphRunner, "_build", lambda runner, *key: start_building.wait() and build(runner, *key))
+    built = []
+    monkeypatch.setattr(GraphRunner, "_build",
+                        lambda runner, *key: start_building.wait() and (built.append(key) or build(runner, *key)))
     after_timing, calibrate = [], calibration.calibrate   # (the compiler thread, started only after the timing)
 
     def timing(engine, policy):
@@ -275,6 +277,8 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False)] == want
     graphs.drain()
+    fused_first = [which.kind == "fused" for which, _, _ in built[:after_timing[0][1]]]   # (runner/graphs.py
+    assert fused_first[0] and not fused_first[-1] and fused_first == sorted(fused_first, reverse=True)  # compile_order)
     runs, run_fused = [], graphs.run_fused
     graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
     before = llm.get_metrics()

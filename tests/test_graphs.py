@@ -1,5 +1,6 @@
 """Graph mode: uniform decode/verify steps as compiled fixed-shape graphs; outputs identical to eager, and
 no recompilation once the graphs are built."""
+import os
 import time
 
 import pytest
@@ -198,10 +199,13 @@ def test_compiled_moe_paths_match_eager_in_bf16(num_tokens):
     assert (compiled.float() - eager.float()).abs().max() <= 0.02 * eager.float().abs().max()
 
 
-def test_compile_in_background_serves_at_once_then_runs_the_graph(ckpt):
+def test_compile_in_background_serves_at_once_then_runs_the_graph(ckpt, tmp_path, monkeypatch):
     """compile_in_background: nothing is built at start-up; the first decode step queues its fused graph and
-    runs eagerly; once the compiler thread has built it, steps run it, with eager's tokens throughout. Only the
-    start-up shapes are queued (a prompt chunk's shape is not)."""
+    runs eagerly; the compiler process compiles it cold, then the compiler thread builds it from the cache (an
+    empty one: it hits only what that process wrote); steps then run it, with eager's tokens throughout. Only the
+    start-up shapes are queued (a prompt chunk's shape is not). Shutting down ends the compiler process."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    hits = counters["inductor"]["fxgraph_cache_hit"]
     spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
     eager = LLM(ckpt, speculative_config=spec, enforce_eager=True)
     graph = LLM(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[1], max_model_len=64,
@@ -223,8 +227,12 @@ def test_compile_in_background_serves_at_once_then_runs_the_graph(ckpt):
     graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
     got = graph.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want and runs
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits and graphs.compile_elsewhere.pids
     graph.engine.shutdown()
     assert not graphs._compiler.is_alive()
+    for pid in graphs.compile_elsewhere.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 @pytest.mark.parametrize("kwargs, why", [

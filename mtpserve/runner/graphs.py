@@ -16,6 +16,7 @@ Anything else (prefill chunks, batches above the largest size) runs eagerly in t
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
 queues its graph for a compiler thread and runs eagerly, as do the steps after it until the graph is built:
     step 1 fused b1 q3: queued, eager   ...   step 40 fused b1 q3: graph   (the thread took ~30 s cold)
+The thread builds what is queued in compile_order: fused steps before the passes apart, fewer rows first.
 Without it, in one CPU process, MTP builds the fused step's graphs at start-up and the model's passes apart
 (ModelRunner.warm_up_graphs) that way.
 """
@@ -55,9 +56,10 @@ class GraphRunner:
         self.background = background
         self.later: set[tuple[Pass, int]] = set()   # (pass, query length): graphs built when first needed
         self._queued: set[tuple] = set()
-        self._to_compile: queue.Queue = queue.Queue()   # keys, then None: stop
+        self._to_compile: queue.PriorityQueue = queue.PriorityQueue()   # (compile_order(key), n, key); None: stop
         self._compiler: threading.Thread | None = None
         self.held = False
+        self.compile_elsewhere = None   # background: where graphs compile cold first (executor/compile_process.py)
         self.cuda_graphs = torch.device(device).type == "cuda"
         if self.cuda_graphs:   # a CUDA graph writes an input only at a fixed address (else inductor skips it)
             for cache in main_caches + mtp_caches:
@@ -98,7 +100,7 @@ class GraphRunner:
             return True
         if (key[0], key[2]) in self.later and key not in self._queued:
             self._queued.add(key)
-            self._to_compile.put(key)
+            self._to_compile.put((compile_order(key), len(self._queued), key))
             self._start_compiler()
         return False
 
@@ -118,12 +120,14 @@ class GraphRunner:
             self._compiler.start()
 
     def _compile_queued(self) -> None:
-        while (key := self._to_compile.get()) is not None:
+        while (key := self._to_compile.get()[-1]) is not None:
             start, switch = time.perf_counter(), sys.getswitchinterval()
-            # The model thread takes the GIL back after every op: with Python's 5 ms turns, a step of hundreds
-            # of ops waits seconds on a compiling thread (stalls of ~20 s per step: docs/history.md).
-            sys.setswitchinterval(COMPILING_SWITCH_INTERVAL)
             try:
+                if self.compile_elsewhere is not None:   # (the cold compile, in a process of its own)
+                    self.compile_elsewhere(key)
+                # The model thread takes the GIL back after every op: with Python's 5 ms turns, a step of
+                # hundreds of ops waits seconds on a compiling thread (stalls of ~20 s per step: docs/history.md).
+                sys.setswitchinterval(COMPILING_SWITCH_INTERVAL)
                 self.graphs[key] = self._build(*key)
                 logger.info("graph %s built in the background in %.1fs (%d built)", key,
                             time.perf_counter() - start, len(self.graphs))
@@ -132,6 +136,8 @@ class GraphRunner:
             finally:
                 sys.setswitchinterval(switch)
                 self._to_compile.task_done()
+            if self.compile_elsewhere is not None and self._to_compile.empty():
+                self.compile_elsewhere.stop()   # (until a graph is next queued)
         self._to_compile.task_done()   # (the None that stopped it)
 
     def compiling(self) -> bool:
@@ -148,7 +154,9 @@ class GraphRunner:
             while not self._to_compile.empty():
                 self._to_compile.get_nowait()
                 self._to_compile.task_done()
-            self._to_compile.put(None)
+            self._to_compile.put(((), 0, None))
+            if self.compile_elsewhere is not None:
+                self.compile_elsewhere.stop(timeout)
             self._compiler.join(timeout)
 
     def run(self, which: Pass, rows: list[Row], prev_hidden: torch.Tensor | None = None,
@@ -263,6 +271,16 @@ class GraphRunner:
         for key in dict.fromkeys(self.key(which, b, q) for b in self.batch_sizes for which, q in shapes
                                  if (which, q) not in self.later):
             self._graph(key)
+
+
+def compile_order(key: tuple) -> tuple:
+    """Queued graphs are built in this order: fused steps (a steady decode's every step) before the passes apart
+    (a step after a prompt or changing k), fewer rows first, then more drafts first (what an adaptive k that has
+    only eager steps' costs to go by drafts at small batches). Adaptive k's start-up timing queues, say,
+        main b1 q1, fused b1 q1, fused b1 q2, fused b4 q2, fused many q2 -> fused b1 q2, fused b1 q1, fused b4 q2,
+        fused many q2, main b1 q1."""
+    which, size, q = key
+    return which.kind != "fused", size == MANY, 0 if size == MANY else size, -q
 
 
 def compile_later_refusal(device_type: str, world_size: int) -> str | None:

@@ -40,7 +40,7 @@ class ModelRunner:
         if graph_batch_sizes:
             self.graphs = GraphRunner(model, self.main_caches, self.mtp_caches, graph_batch_sizes, block_size,
                                       max_span, device, spec, background=compile_in_background)
-        self.pass_counts = Counter()   # forwards run: "main", "mtp", "fused", "fused_sampled", (DP) dummies
+        self.pass_counts = Counter()   # forwards run: "main", "mtp" (passes apart), "fused", "fused_sampled", dummies
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device)
@@ -88,8 +88,6 @@ class ModelRunner:
         k = len(scheduled[0].draft_token_ids)
         rows = [Row(s.req.all_token_ids[s.start:s.start + 1] + s.draft_token_ids, s.start, s.req.block_ids)
                 for s in scheduled]
-        self.pass_counts["main"] += 1
-        self.pass_counts["mtp"] += self.proposer.num_passes(scheduled)
         self.pass_counts[str(which)] += 1
         sampling = None
         if which.sampled:

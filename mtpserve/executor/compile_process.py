@@ -1,0 +1,90 @@
+"""Background graph mode's compiler process: the cold compile of each graph the compiler thread is asked for runs in
+a process of its own (its own copy of the rank: model, KV cache and runner, built as this one was), writing the
+inductor cache both processes share; the thread then builds the graph here from that cache, in seconds. A cold
+compile takes about a minute of Python: in the serving process it would share the GIL with the steps.
+
+    serving process                                   compiler process (started at the first graph asked for)
+    step 1 fused b1 q2: queued, eager
+    compiler thread: ask (fused, 1, 2), wait     ->   build_rank(setup); graphs._build(fused, 1, 2)   (cold)
+                                                 <-   None (built; else the error)
+    compiler thread: graphs._build(fused, 1, 2)        (the cache's: seconds)
+    step 80 fused b1 q2: graph
+It ends once nothing more is queued (it holds a second copy of the model and KV cache) and starts again when a
+graph is next asked for. It is `python -m` this module, not a multiprocessing child: nothing of the caller's
+__main__ runs again in it. Requests and replies are pickles on its stdin and stdout.
+"""
+import logging
+import os
+import pickle
+import subprocess
+import sys
+
+import torch
+
+logger = logging.getLogger("mtpserve")
+
+
+class CompileProcess:
+    def __init__(self, setup):   # setup: the RankSetup this process's rank was built from (executor/worker.py)
+        self.setup = setup
+        self.process: subprocess.Popen | None = None
+        self.pids: list[int] = []   # every compiler process started
+
+    def __call__(self, key: tuple) -> None:
+        """Returns once the compiler process has built graph `key` (its compiled code is in the cache)."""
+        if self.process is None:
+            self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE)
+            self.pids.append(self.process.pid)
+            logger.info("compiler process %d started", self.process.pid)
+            # (its threads as here: inductor's code, and so the cache key, depends on the thread count)
+            self._send((self.setup, torch.get_num_threads()))
+        process = self.process   # (stop() may drop it meanwhile: shutting down)
+        self._send(key)
+        try:
+            error = pickle.load(process.stdout)
+        except EOFError:
+            raise RuntimeError(f"the compiler process exited (code {process.wait()})") from None
+        if error is not None:
+            raise RuntimeError(error)
+
+    def _send(self, obj) -> None:
+        pickle.dump(obj, self.process.stdin)
+        self.process.stdin.flush()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends the compiler process (its graph in progress is dropped)."""
+        if self.process is not None:
+            process, self.process = self.process, None
+            process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)   # (stdout carries the replies only: anything printed goes to stderr)
+    requests = sys.stdin.buffer
+    setup, threads = pickle.load(requests)
+    torch.set_num_threads(threads)
+    from mtpserve.executor.worker import build_rank
+    rank = build_rank(setup, 0)   # (background graph mode: builds no graph yet)
+    while True:
+        try:
+            key = pickle.load(requests)
+        except EOFError:   # (the serving process is gone)
+            return
+        try:
+            rank.runner.graphs._build(*key)
+            pickle.dump(None, replies)
+        except Exception as e:
+            logger.exception("compiler process: graph %s", key)
+            pickle.dump(f"{type(e).__name__}: {e}", replies)
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()
