@@ -92,7 +92,7 @@ def add_graph_args(p: argparse.ArgumentParser, batch_sizes: bool = True) -> None
                    help="compiled decode steps also on the CPU (faster decode; compiling at start-up: seconds with a "
                         "warm inductor cache, minutes cold)")
     p.add_argument("--compile-in-background", action="store_true",
-                   help="graph mode on the CPU: ready at once; each graph is compiled in a background thread when a "
+                   help="graph mode on the CPU: ready at once; each graph is compiled in a compiler process when a "
                         "step first needs it (eager until then); adaptive k times them again once built")
     if batch_sizes:
         p.add_argument("--graph-batch-sizes", default=None,

@@ -140,19 +140,20 @@ def _adaptive(recs, plot_dir, page_dir) -> list[str]:
 def _startup(recs, plot_dir, page_dir) -> list[str]:
     from mtpserve.bench import startup
     out = []
-    for name, rec in recs:   # (one run per speculative config)
+    for name, rec in recs:   # (one table per run)
         res = rec["results"]
         lines = {f"{r['mode']}, {r['cache']}": r["timeline"] for r in res["rows"]}
         plot = plots.plot_lines(lines, "seconds since the server started", "batch-1 output tokens/s",
                                 "Decode speed after start-up", plot_dir, f"{name}.png")
-        says = "; ".join(f"{r['mode']} {r['cache']}: " + (f"ready after {r['ready_s']} s" if r["ready_s"] else
-                                                           f"not ready after {res['timeout_s']:.0f} s")
-                         for r in res["rows"])
+        says = "; ".join(f"{r['mode']} {r['cache']}: " + (
+            f"ready after {r['ready_s']} s, {startup.whole_run_rate(r, res['output_len']):.0f} tok/s from then on"
+            if r["ready_s"] else f"not ready after {res['timeout_s']:.0f} s") for r in res["rows"])
         rows = {(r["mode"], r["cache"]): r for r in res["rows"]}
         cold = [rows.get((m, "cold"), {}).get("ready_s") for m in ("background", "startup")]
         if all(cold):
             says += f"; from a cold cache the server answers {cold[1] / cold[0]:.0f}x sooner compiling in the background"
-        out += [f"**Speculative config {res['speculative_config']}**, graph batch sizes {res['graph_batch_sizes']}:",
+        out += [f"**Speculative config {res['speculative_config']}**, graph batch sizes {res['graph_batch_sizes']}, "
+                f"commit {rec.get('commit', '?')}:",
                 ""] + startup.table(res) + ["", f"What it says: {says}.", "", f"![{name}]({_rel(plot, page_dir)})", ""]
     return out[:-1]
 

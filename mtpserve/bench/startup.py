@@ -89,6 +89,12 @@ def summary(row: dict) -> dict:
     return dict(first=sum(first) / len(first), last=sum(last) / len(last))
 
 
+def whole_run_rate(row: dict, output_len: int) -> float | None:
+    """Output tokens/s from ready to the last answer (every request gets output_len tokens: ignore_eos)."""
+    timeline = row["timeline"]
+    return len(timeline) * output_len / (timeline[-1][0] - row["ready_s"]) if timeline else None
+
+
 def _row_line(row: dict) -> str:
     s = summary(row)
     ready = f"ready after {row['ready_s']} s" if row["ready_s"] else "not ready"
@@ -97,14 +103,14 @@ def _row_line(row: dict) -> str:
 
 
 def table(res: dict) -> list[str]:
-    out = ["| graphs compiled | inductor cache | ready after, s | batch-1 tok/s, first 30 s | ... last 30 s |",
-           "|---|---|---|---|---|"]
+    out = ["| graphs compiled | inductor cache | ready after, s | batch-1 tok/s, first 30 s | ... last 30 s "
+           "| ... the whole run |", "|---|---|---|---|---|---|"]
     for row in res["rows"]:
-        s = summary(row)
+        s, whole = summary(row), whole_run_rate(row, res["output_len"])
         fmt = lambda v: "-" if v is None else f"{v:.0f}"   # noqa: E731
         ready = f"{row['ready_s']}" if row["ready_s"] else f"not after {res['timeout_s']:.0f}"
         out.append(f"| {'in the background' if row['mode'] == 'background' else 'at start-up'} | {row['cache']} | "
-                   f"{ready} | {fmt(s['first'])} | {fmt(s['last'])} |")
+                   f"{ready} | {fmt(s['first'])} | {fmt(s['last'])} | {fmt(whole)} |")
     return out
 
 

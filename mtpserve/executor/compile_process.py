@@ -1,7 +1,7 @@
 """Background graph mode's compiler process: the cold compile of each graph the compiler thread is asked for runs in
 a process of its own (its own copy of the rank: model, KV cache and runner, built as this one was), writing the
 inductor cache both processes share; the thread then builds the graph here from that cache, in seconds. A cold
-compile takes about a minute of Python: in the serving process it would share the GIL with the steps.
+compile is mostly Python: in the serving process it would share the GIL with the steps (docs/history.md).
 
     serving process                                   compiler process (started at the first graph asked for)
     step 1 fused b1 q2: queued, eager
@@ -13,6 +13,7 @@ It ends once nothing more is queued (it holds a second copy of the model and KV 
 graph is next asked for. It is `python -m` this module, not a multiprocessing child: nothing of the caller's
 __main__ runs again in it. Requests and replies are pickles on its stdin and stdout.
 """
+import atexit
 import logging
 import os
 import pickle
@@ -29,6 +30,7 @@ class CompileProcess:
         self.setup = setup
         self.process: subprocess.Popen | None = None
         self.pids: list[int] = []   # every compiler process started
+        atexit.register(self.stop)    # (an engine never shut down: its compiler process ends with this one)
 
     def __call__(self, key: tuple) -> None:
         """Returns once the compiler process has built graph `key` (its compiled code is in the cache)."""
