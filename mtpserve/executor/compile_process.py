@@ -73,7 +73,7 @@ def main() -> None:
     setup, threads = pickle.load(requests)
     torch.set_num_threads(threads)
     from mtpserve.executor.worker import build_rank
-    rank = build_rank(setup, 0)   # (background graph mode: builds no graph yet)
+    rank = build_rank(setup, 0, zeroed_kv=False)   # (background graph mode: builds no graph yet)
     while True:
         try:
             key = pickle.load(requests)

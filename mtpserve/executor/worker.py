@@ -82,9 +82,9 @@ def kv_blocks_from_memory(setup: RankSetup, device: torch.device) -> int:
     return max(per_seq, min(int(budget // bytes_per_block), per_seq * cfg.max_num_seqs))
 
 
-def build_rank(setup: RankSetup, rank: int) -> Rank:
+def build_rank(setup: RankSetup, rank: int, zeroed_kv: bool = True) -> Rank:
     """Joins the process group (with more than one rank), agrees on the KV cache size (the smallest any rank
-    can hold), loads this rank's shard and builds (and warms up) its runner."""
+    can hold), loads this rank's shard and builds (and warms up) its runner. zeroed_kv: see ModelRunner."""
     cfg, launch = setup.config, setup.launch
     device = rank_device(setup.device_type, rank, launch)
     if device.type == "cpu" and (cfg.cpu_threads or launch.world_size > 1):
@@ -115,7 +115,7 @@ def build_rank(setup: RankSetup, rank: int) -> Rank:
     runner_args = (model, num_blocks, cfg.block_size, spec, device, setup.dtype, seed,
                    cfg.graph_batch_sizes if use_graphs else None, setup.max_model_len + setup.max_step_overshoot)
     if dp is None:
-        runner = ModelRunner(*runner_args, compile_in_background=cfg.compile_in_background)
+        runner = ModelRunner(*runner_args, compile_in_background=cfg.compile_in_background, zeroed_kv=zeroed_kv)
     else:
         runner = DataParallelRunner(*runner_args, dp=dp)
     runner.warm_up_graphs(can_compile_later=compile_later_refusal(device.type, launch.world_size) is None)

@@ -25,13 +25,15 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
-                 max_span: int = 0, compile_in_background: bool = False):
+                 max_span: int = 0, compile_in_background: bool = False, zeroed_kv: bool = True):
         """max_span: the most KV positions a request can reach (max_model_len plus a step's overshoot).
-        compile_in_background: graphs are built by a compiler thread as steps first need them (runner/graphs.py)."""
+        compile_in_background: graphs are built by a compiler thread as steps first need them (runner/graphs.py).
+        zeroed_kv=False: the KV cache left as allocated, its pages untouched (a compiler process's copy)."""
         cfg = model.config
         self.model, self.spec, self.device, self.block_size = model, spec, device, block_size
         # One more block than the manager hands out: slot -1 (padding) lands in its last row.
-        self.kv_caches = [torch.zeros(num_blocks + 1, block_size, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
+        allocate = torch.zeros if zeroed_kv else torch.empty
+        self.kv_caches = [allocate(num_blocks + 1, block_size, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
                           for _ in range(cfg.num_hidden_layers + num_drafter_caches(cfg, spec))]
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.main_caches = self.kv_caches[:cfg.num_hidden_layers]
