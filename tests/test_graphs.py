@@ -241,3 +241,53 @@ def test_compile_in_background_serves_at_once_then_runs_the_graph(ckpt, tmp_path
 def test_compile_in_background_refused_where_it_cannot_work(ckpt, kwargs, why):
     with pytest.raises(ValueError, match=f"compile_in_background: .*{why}"):
         LLM(ckpt, compile_in_background=True, **kwargs)
+
+
+SERVING_PROCESS = """
+import sys, time
+from mtpserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False},
+          enforce_eager=False, graph_batch_sizes=[1], max_model_len=64, compile_in_background=True)
+llm.generate(prompt_token_ids=[[5, 8, 11]], sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
+started = llm.engine.runner.graphs.compile_elsewhere.pids   # (by the compiler thread, for the graph queued)
+while not started:
+    time.sleep(0.1)
+print(started[0], flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's exit status waits for a reaper that may never come)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_compiler_process_ends_when_the_serving_process_is_killed(ckpt, tmp_path):
+    """A serving process killed outright (no shutdown, no atexit) leaves no compiler process behind."""
+    import signal
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))   # (cold: it is still compiling)
+    serving = subprocess.Popen([sys.executable, "-c", SERVING_PROCESS, ckpt], stdout=subprocess.PIPE, env=env)
+    compiler = None
+    try:
+        compiler = int(serving.stdout.readline())
+        time.sleep(8)   # (started, the rank built, compiling cold: tens of seconds to go)
+        assert running(compiler)
+        serving.kill()
+        serving.wait(30)
+        deadline = time.monotonic() + 5   # (well inside the compile: it does not wait for the graph)
+        while running(compiler):
+            assert time.monotonic() < deadline, "the compiler process outlived the serving process by 5 s"
+            time.sleep(0.2)
+    finally:
+        serving.kill()
+        if compiler is not None:
+            try:
+                os.kill(compiler, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

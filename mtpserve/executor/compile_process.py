@@ -19,6 +19,8 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -66,7 +68,15 @@ class CompileProcess:
                 process.wait()
 
 
+def _exit_with(parent: int) -> None:
+    """Ends this process once the serving process is gone (killed, say), whatever graph it is compiling."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def main() -> None:
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)   # (stdout carries the replies only: anything printed goes to stderr)
     requests = sys.stdin.buffer
