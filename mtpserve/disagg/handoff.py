@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtpserve.engine.detokenizer import detokenize_incrementally
+from mtpserve.engine.outputs import detokenize_incrementally
 from mtpserve.request import Request
 from mtpserve.sampling_params import SamplingParams
 

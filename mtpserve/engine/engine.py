@@ -5,11 +5,12 @@ import logging
 import time
 
 from mtpserve.config import EngineConfig, eos_token_ids
-from mtpserve.engine import stats, stops, validation
+from mtpserve.engine import stats, validation
 from mtpserve.engine.dp_scheduler import DataParallelScheduler
 from mtpserve.engine.overlap import Overlap
 from mtpserve.engine.kv_cache import BlockManager
-from mtpserve.engine.outputs import logprob_dicts, request_output, take_prompt_logprobs
+from mtpserve.engine.outputs import (detokenize_until_stop_string, logprob_dicts, request_output,
+                                     take_prompt_logprobs, take_tokens)
 from mtpserve.engine.scheduler import Scheduler
 from mtpserve.engine.setup import engine_config, engine_setup, is_front
 from mtpserve.executor.multiproc import MultiProcExecutor
@@ -208,7 +209,7 @@ class LLMEngine:
         req.num_computed_tokens = req.num_tokens + len(r.new_token_ids) - 1
         if r.num_drafts:
             self.spec_metrics.record(r.num_drafts, r.num_accepted)
-        num_appended, reason = stops.take_tokens(req, r.new_token_ids, self.eos_token_ids)
+        num_appended, reason = take_tokens(req, r.new_token_ids, self.eos_token_ids)
         req.logprobs += logprob_dicts(r.logprobs[:num_appended], self.tokenizer)   # ([] unless asked)
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -228,7 +229,7 @@ class LLMEngine:
             if req.error is not None:   # (failed with a sibling)
                 continue
             try:
-                keep = stops.detokenize_until_stop_string(self.tokenizer, req, num_new)
+                keep = detokenize_until_stop_string(self.tokenizer, req, num_new)
             except Exception as e:   # (detokenisation, stop strings): this request's fault, not the others'
                 self._fail(req, e, now)
                 continue
