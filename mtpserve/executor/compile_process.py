@@ -37,8 +37,10 @@ class CompileProcess:
     def __call__(self, key: tuple) -> None:
         """Returns once the compiler process has built graph `key` (its compiled code is in the cache)."""
         if self.process is None:
+            # (this process's sys.path: it imports what this one does, wherever that was found)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
             self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE)
+                                            stdout=subprocess.PIPE, env=env)
             self.pids.append(self.process.pid)
             logger.info("compiler process %d started", self.process.pid)
             # (its threads as here: inductor's code, and so the cache key, depends on the thread count)
