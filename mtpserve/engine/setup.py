@@ -9,7 +9,7 @@ from mtpserve.distributed.launch import Launch, check_devices, end_processes
 from mtpserve.executor.worker import RankSetup, run_rank, worker_process
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from mtpserve.model.parallel import parallel_layout
-from mtpserve.runner.graphs import compile_later_refusal
+from mtpserve.runner.background import compile_later_refusal
 from mtpserve.spec_decode.proposer import proposer_class
 
 

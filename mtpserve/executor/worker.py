@@ -17,7 +17,7 @@ from mtpserve.model.loader import LoadStats, load_model, load_tokenizer
 from mtpserve.model.parallel import parallel_layout
 from mtpserve.runner.dp_runner import DataParallelRunner
 from mtpserve.runner.dp_sync import DataParallelSync
-from mtpserve.runner.graphs import compile_later_refusal
+from mtpserve.runner.background import compile_later_refusal
 from mtpserve.runner.model_runner import ModelRunner, num_drafter_caches
 from mtpserve.sampling.grammar import compiler_for
 from mtpserve.spec_decode.draft_vocab import load_draft_vocab

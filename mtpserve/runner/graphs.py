@@ -14,13 +14,12 @@ CPU it is an inductor-compiled kernel.
 Anything else (prefill chunks, batches above the largest size) runs eagerly in the same loop.
 
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
-queues its graph for a compiler thread and runs eagerly, as do the steps after it until the graph is built:
-    step 1 fused b1 q3: queued, eager   ...   step 40 fused b1 q3: graph   (the thread took ~30 s cold)
-The thread builds what is queued in compile_order: fused steps before the passes apart, fewer rows first.
-Without it, in one CPU process, MTP builds the fused step's graphs at start-up and the model's passes apart
-(ModelRunner.warm_up_graphs) that way.
+queues its graph and runs eagerly until a compiler thread has built it, in compile_order (cold, in a compiler
+process: executor/compile_process.py). Without it, MTP builds the fused step's graphs at start-up and, in one CPU
+process, the passes apart that way (ModelRunner.warm_up_graphs).
 """
 import contextlib
+import itertools
 import logging
 import queue
 import sys
@@ -33,12 +32,12 @@ import torch._dynamo
 
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.model.layers import FEW_ROWS
+from mtpserve.runner.background import MANY, compile_order
 from mtpserve.runner.graph_inputs import StaticInputs, sampling_buffers
 from mtpserve.step import Pass, Row, fused_kv_reach
 
 logger = logging.getLogger("mtpserve")
 COMPILING_SWITCH_INTERVAL = 2e-4   # seconds a thread holds the GIL while a graph compiles in the background
-MANY = "many"   # the batch in the key of a CPU graph of any batch above FEW_ROWS rows
 
 
 class GraphRunner:
@@ -56,6 +55,10 @@ class GraphRunner:
         self.background = background
         self.later: set[tuple[Pass, int]] = set()   # (pass, query length): graphs built when first needed
         self._queued: set[tuple] = set()
+        self._queue_order = itertools.count()
+        self._compiled, self._unloaded = set(), set()   # built by the compiler process; ... not loaded (ready)
+        self.reached_sizes: set = set()   # batch sizes (or MANY) steps outside the start-up timing asked for
+        self._lock = threading.Lock()
         self._to_compile: queue.PriorityQueue = queue.PriorityQueue()   # (compile_order(key), n, key); None: stop
         self._compiler: threading.Thread | None = None
         self.held = False
@@ -95,14 +98,25 @@ class GraphRunner:
                 and self.indexed(which, q) == (output_index is not None) and self.ready(self.key(which, size, q)))
 
     def ready(self, key: tuple) -> bool:
-        """The graph `key` is built; queues it for the compiler thread if it is one of the `later` ones."""
+        """The graph `key` is built; queues it for the compiler thread if it is one of the `later` ones. The
+        first step outside the start-up timing at a batch size queues the loading of that size's compiled graphs."""
         if key in self.graphs:
             return True
+        if not self.held and key[1] not in self.reached_sizes:
+            with self._lock:
+                self.reached_sizes.add(key[1])
+                reached = {k for k in self._unloaded if k[1] == key[1]}
+                self._unloaded -= reached
+            for k in reached:
+                self._queue(k)
         if (key[0], key[2]) in self.later and key not in self._queued:
             self._queued.add(key)
-            self._to_compile.put((compile_order(key), len(self._queued), key))
-            self._start_compiler()
+            self._queue(key)
         return False
+
+    def _queue(self, key: tuple) -> None:
+        self._to_compile.put((compile_order(key), next(self._queue_order), key))
+        self._start_compiler()
 
     @contextlib.contextmanager
     def compiler_held(self):
@@ -123,8 +137,13 @@ class GraphRunner:
         while (key := self._to_compile.get()[-1]) is not None:
             start, switch = time.perf_counter(), sys.getswitchinterval()
             try:
-                if self.compile_elsewhere is not None:   # (the cold compile, in a process of its own)
+                if self.compile_elsewhere is not None and key not in self._compiled:   # (cold, in its own process)
                     self.compile_elsewhere(key)
+                    self._compiled.add(key)
+                with self._lock:   # (loading one takes seconds of the GIL: only sizes steps reached)
+                    if self.compile_elsewhere is not None and key[1] not in self.reached_sizes:
+                        self._unloaded.add(key)
+                        continue
                 # The model thread takes the GIL back after every op: with Python's 5 ms turns, a step of
                 # hundreds of ops waits seconds on a compiling thread (stalls of ~20 s per step: docs/history.md).
                 sys.setswitchinterval(COMPILING_SWITCH_INTERVAL)
@@ -136,16 +155,14 @@ class GraphRunner:
             finally:
                 sys.setswitchinterval(switch)
                 self._to_compile.task_done()
-            if self.compile_elsewhere is not None and self._to_compile.empty():
-                self.compile_elsewhere.stop()   # (until a graph is next queued)
+                if self.compile_elsewhere is not None and self._to_compile.empty():
+                    self.compile_elsewhere.stop()   # (until a graph is next queued)
         self._to_compile.task_done()   # (the None that stopped it)
 
-    def compiling(self) -> bool:
-        """Some queued graph is not built yet."""
+    def compiling(self) -> bool:   # some queued graph is not built yet
         return self._to_compile.unfinished_tasks > 0
 
-    def drain(self) -> None:
-        """Waits until the compiler thread has built every graph queued so far."""
+    def drain(self) -> None:   # waits until the compiler thread has built every graph queued so far
         self._to_compile.join()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -271,22 +288,3 @@ class GraphRunner:
         for key in dict.fromkeys(self.key(which, b, q) for b in self.batch_sizes for which, q in shapes
                                  if (which, q) not in self.later):
             self._graph(key)
-
-
-def compile_order(key: tuple) -> tuple:
-    """Queued graphs are built in this order: fused steps (a steady decode's every step) before the passes apart
-    (a step after a prompt or changing k), fewer rows first, then more drafts first (what an adaptive k that has
-    only eager steps' costs to go by drafts at small batches). Adaptive k's start-up timing queues, say,
-        main b1 q1, fused b1 q1, fused b1 q2, fused b4 q2, fused many q2 -> fused b1 q2, fused b1 q1, fused b4 q2,
-        fused many q2, main b1 q1."""
-    which, size, q = key
-    return which.kind != "fused", size == MANY, 0 if size == MANY else size, -q
-
-
-def compile_later_refusal(device_type: str, world_size: int) -> str | None:
-    """Why graphs cannot be built by a compiler thread while steps run (None: they can)."""
-    if world_size > 1:
-        return f"one process only ({world_size} ranks: their graphs run collectives in step)"
-    if device_type != "cpu":
-        return f"CPU only (device = {device_type!r}: CUDA graphs are captured at start-up)"
-    return None
