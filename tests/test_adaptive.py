@@ -277,8 +277,9 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False)] == want
     graphs.drain()
-    fused_first = [which.kind == "fused" for which, _, _ in built[:after_timing[0][1]]]   # (runner/graphs.py
-    assert fused_first[0] and not fused_first[-1] and fused_first == sorted(fused_first, reverse=True)  # compile_order)
+    # the timing's graphs built in compile_order (runner/background.py): fused steps, then the passes apart
+    fused_first = [which.kind == "fused" for which, _, _ in built[:after_timing[0][1]]]
+    assert fused_first[0] and not fused_first[-1] and fused_first == sorted(fused_first, reverse=True)
     runs, run_fused = [], graphs.run_fused
     graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
     before = llm.get_metrics()
