@@ -225,10 +225,11 @@ class EngineConfig:
     block_size: int = 16                      # tokens per KV-cache block
     num_kv_blocks: int | None = None          # None -> sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.2     # of free memory (CUDA) / of total RAM (CPU), capped by need
-    enforce_eager: bool | None = None         # None: graphs on CUDA, eager on CPU (compiling takes minutes there)
+    enforce_eager: bool | None = None         # None: graph mode where it starts at once (engine/setup.py)
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])   # graph mode's sizes (CPU:
     #                                          a graph each up to 8 rows, one with a dynamic batch above)
     compile_in_background: bool = False       # graph mode, CPU: ready at once; each graph compiled when first needed
+    #                                          (the default on the CPU in one process)
     speculative: SpeculativeConfig | None = None   # speculative_config (a dict in LLM / from_kwargs); None: off
     seed: int = 0                             # the engine's random stream (unseeded requests)
     skip_tokenizer_init: bool = False         # token ids in and out only

@@ -86,11 +86,12 @@ def add_graph_args(p: argparse.ArgumentParser, batch_sizes: bool = True) -> None
     """Graph-mode flags, shared by generate, serve and bench (see graph_kwargs; bench sweeps set the graph batch
     sizes themselves: batch_sizes=False)."""
     p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="never use graphs (default: graphs on CUDA; on the CPU eager, but `serve` in one process "
-                        "compiles its graphs in the background, --compile-in-background)")
+                   help="never use graphs (default: CUDA graphs captured at start-up; on the CPU graphs compiled in "
+                        "the background (--compile-in-background) by one process whose threads leave a core free, "
+                        "as `serve`'s do; else eager, and in `bench`)")
     p.add_argument("--graph-mode", action="store_true",
-                   help="compiled decode steps also on the CPU (faster decode; compiling at start-up: seconds with a "
-                        "warm inductor cache, minutes cold)")
+                   help="graphs compiled at start-up, also on the CPU (seconds with a warm inductor cache, minutes "
+                        "cold)")
     p.add_argument("--compile-in-background", action="store_true",
                    help="graph mode on the CPU: ready at once; each graph is compiled in a compiler process when a "
                         "step first needs it (eager until then); adaptive k times them again once built")

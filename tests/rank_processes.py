@@ -28,7 +28,7 @@ def reference(path, **kw):
     from mtpserve import LLM
     key = (path, repr(sorted(kw.items())))
     if key not in REFERENCES:
-        REFERENCES[key] = LLM(model=path, dtype="float32", **kw)
+        REFERENCES[key] = LLM(model=path, dtype="float32", **(dict(enforce_eager=True) | kw))
     return REFERENCES[key]
 
 

@@ -31,9 +31,10 @@ def test_greedy_and_seeded_identical_while_k_switches(trained1, monkeypatch, tig
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3 + [
         SamplingParams(temperature=0.8, seed=7 + i, max_tokens=24, ignore_eos=True) for i in range(3)]
     kw = dict(max_num_batched_tokens=8, num_kv_blocks=18, block_size=4) if tight else {}
-    base = [o.outputs[0].token_ids for o in LLM(trained1, **kw).generate(
+    base = [o.outputs[0].token_ids for o in LLM(trained1, enforce_eager=True, **kw).generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
-    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, **kw)
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, enforce_eager=True,
+              **kw)
     monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", cycling(3))
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
@@ -56,7 +57,8 @@ def test_own_layers_chain_while_k_switches(trained3, monkeypatch, budget):
     runs = []
     for noise in (False, True):
         kw = {"max_num_batched_tokens": budget} if budget else {}
-        llm = LLM(trained3, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, **kw)
+        llm = LLM(trained3, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, enforce_eager=True,
+                  **kw)
         runner = llm.engine.runner
         if noise:
             fill_mtp_caches_with_noise(llm)
@@ -75,7 +77,8 @@ def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeyp
     the accepted index only and writes layer 1's KV only; drafting two, layer 0's outputs everywhere feed layer 1;
     drafting none, both layers write their KV only. Greedy tokens stay those of no speculation. (The separate
     path: fused_graph_step false; the fused decode step follows the same rule, test_graph_mode_fused_steps_...)"""
-    llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True, "fused_graph_step": False})
+    llm = LLM(trained3, speculative_config={"num_speculative_tokens": 2, "adaptive": True, "fused_graph_step": False},
+              enforce_eager=True)
     monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", cycling(2, hold=2))
     runner = llm.engine.runner
     steps, forward, execute = [], runner.proposer.forward, runner.execute
@@ -91,7 +94,8 @@ def test_decode_steps_run_the_chain_only_as_deep_as_they_draft(trained3, monkeyp
     runner.proposer.forward, runner.execute = recorded, executed
     n = len(prompts_for())
     outs = llm.generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
-    plain = LLM(trained3).generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY, use_tqdm=False)
+    plain = LLM(trained3, enforce_eager=True).generate(prompt_token_ids=prompts_for(), sampling_params=GREEDY,
+                                                       use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     kinds = {k: {tuple(calls) for drafted, calls in steps if drafted == k} for k in (0, 1, 2)}
     assert kinds == {0: {(("mtp0", 0), ("mtp1", 0))}, 1: {(("mtp0", n), ("mtp1", 0))},
@@ -106,7 +110,7 @@ def test_steps_drafting_nothing_write_the_mtp_kv(trained1, monkeypatch, tight):
     spec = {"num_speculative_tokens": 3, "adaptive": True}
     runs = []
     for noise in (True, False):
-        llm = LLM(trained1, speculative_config=spec, **kw)
+        llm = LLM(trained1, speculative_config=spec, enforce_eager=True, **kw)
         if noise:
             fill_mtp_caches_with_noise(llm)
         monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", forcing([0, 0, 0, 1, 0, 0, 3, 2]))
@@ -147,7 +151,7 @@ def test_graph_mode_fused_steps_while_k_switches(tmp_path, monkeypatch):
     spec = {"num_speculative_tokens": 2, "adaptive": True}
     few = dict(max_num_seqs=4)
     graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64, **few)
-    eager, plain = LLM(path, speculative_config=spec, **few), LLM(path)
+    eager, plain = LLM(path, speculative_config=spec, enforce_eager=True, **few), LLM(path, enforce_eager=True)
     fill_mtp_caches_with_noise(graph)
     drafts = [recording_drafts(eager), recording_drafts(graph)]
     fused_ks, fused_step = [], graph.engine.runner._fused_step   # (k verified, k drafted next)
@@ -176,29 +180,30 @@ def test_calibration_times_every_k_at_each_size(trained1):
     built alone is uncalibrated and drafts the maximum k until it is."""
     from mtpserve.engine.engine import LLMEngine
     spec = {"num_speculative_tokens": 2, "adaptive": True}
-    table = LLM(trained1, speculative_config=spec).engine.policy.table
+    table = LLM(trained1, speculative_config=spec, enforce_eager=True).engine.policy.table
     assert set(table) == {0, 1, 2} and all(set(table[k]) == {1, 4, 16, 64} for k in table)
     assert all(s > 0 for k in table for s in table[k].values())
-    bare = LLMEngine.from_kwargs(trained1, spec)
+    bare = LLMEngine.from_kwargs(trained1, spec, enforce_eager=True)
     assert bare.policy.table == {} and bare.policy.choose(4) == 2
 
 
 def test_calibration_times_batches_one_step_takes_at_the_largest_k(trained1):
     """With a token budget of 8, a step verifies at most 2 requests at k = 3 (4 tokens each): the calibration
     times batch sizes 1 and 2 only, every k at both (a batch of 4 would be cut into steps of 2 at k = 3)."""
-    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, max_num_batched_tokens=8)
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, max_num_batched_tokens=8,
+              enforce_eager=True)
     table = llm.engine.policy.table
     assert set(table) == {0, 1, 2, 3} and all(set(table[k]) == {1, 2} for k in table)
 
 
 def test_adaptive_engine_picks_and_reports_k(trained1):
-    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True})
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": True}, enforce_eager=True)
     costs = llm.engine.policy.table
     assert set(costs) == {0, 1, 2} and all(costs[k] for k in costs)   # calibrated at start-up, every k
     assert all({1, 4, 16, 64} <= set(costs[k]) for k in costs)         # ... at 1, 4, 16 and max_num_seqs
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    base = [o.outputs[0].token_ids for o in LLM(trained1).generate(prompt_token_ids=prompts_for(), sampling_params=p,
-                                                                    use_tqdm=False)]
+    base = [o.outputs[0].token_ids for o in LLM(trained1, enforce_eager=True).generate(
+        prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)]
     outs = llm.generate(prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
     steps = llm.get_metrics()["draft_steps_by_k"]
@@ -215,12 +220,12 @@ def test_mtp_adapts_by_default_and_adaptive_false_keeps_k(trained1):
     with pytest.raises(ValueError, match="speculative_config.adaptive"):
         SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "adaptive": "no"})
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    fixed = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": False})
+    fixed = LLM(trained1, speculative_config={"num_speculative_tokens": 2, "adaptive": False}, enforce_eager=True)
     outs = fixed.generate(prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)
     m = fixed.get_metrics()
     assert not fixed.engine.policy.adapts and "draft_steps_by_k" not in m
     assert m["num_draft_tokens"] == 2 * m["num_drafts"] > 0
-    default = LLM(trained1, speculative_config={"num_speculative_tokens": 2})
+    default = LLM(trained1, speculative_config={"num_speculative_tokens": 2}, enforce_eager=True)
     assert default.engine.policy.adapts and default.engine.policy.max_k == 2
     again = default.generate(prompt_token_ids=prompts_for(), sampling_params=p, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
@@ -234,7 +239,7 @@ def test_sampling_lossless_while_k_switches(tmp_path_factory, monkeypatch):
     params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=2, ignore_eos=True)
     joint = exact_joint(path, prompt, params, 2)
     llm = LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": True}, max_num_seqs=512,
-              max_num_batched_tokens=4096, seed=11)
+              max_num_batched_tokens=4096, seed=11, enforce_eager=True)
     monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", cycling(2))
     outs = []
     for _ in range(6):   # several batches: each starts at a different k of the cycle
@@ -254,8 +259,8 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=1, num_hidden_layers=2)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = prompts_for()[:1]
-    want = [o.outputs[0].token_ids for o in LLM(path).generate(prompt_token_ids=prompts, sampling_params=params,
-                                                                use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in LLM(path, enforce_eager=True).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
     start_building, build = threading.Event(), GraphRunner._build   # (a warm inductor cache builds in seconds)
     built = []
     monkeypatch.setattr(GraphRunner, "_build",
@@ -273,6 +278,7 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     assert engine.graphs_timed == 0 and queued >= {("fused", 1), ("fused", 2)}
     assert after_timing[0][0] is None and after_timing[0][1] >= 2 and graphs._compiler is not None
     table = engine.policy.table
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose_for", forcing([1]))   # (drafts to count, whatever the timing)
     start_building.set()
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False)] == want

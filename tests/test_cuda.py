@@ -36,7 +36,7 @@ def tokens(llm) -> list[list[int]]:
 
 
 def test_cuda_graphs_equal_eager_and_the_cpu(ckpt):
-    cpu = tokens(LLM(ckpt, device="cpu", dtype="float32"))
+    cpu = tokens(LLM(ckpt, device="cpu", dtype="float32", enforce_eager=True))
     assert tokens(LLM(ckpt, device="cuda", dtype="float32", enforce_eager=True)) == cpu
     graphs = LLM(ckpt, device="cuda", dtype="float32", enforce_eager=False, graph_batch_sizes=[1, 4])
     assert tokens(graphs) == cpu and recorded(graphs)

@@ -155,7 +155,8 @@ def test_dp2_graph_mode_matches_one_process(ckpt):
     """Three requests: two on rank 0, one on rank 1; every rank pads to the same graph (batch 2)."""
     spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
     prompts = PROMPTS[:3]
-    tokens_one, metrics_one = generate(LLM(model=ckpt, dtype="float32", speculative_config=spec), prompts)
+    tokens_one, metrics_one = generate(LLM(model=ckpt, dtype="float32", speculative_config=spec,
+                                           enforce_eager=True), prompts)
     two = data_parallel(ckpt, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[2])
     try:
         graph_runs = count_graph_runs(two)
@@ -193,9 +194,9 @@ def test_idle_ranks_do_not_spin_and_a_killed_rank_fails_requests_within_seconds(
 def test_refused_layouts(tmp_path):
     path = write_random_checkpoint(str(tmp_path / "m"), n_routed_experts=3, n_group=1, topk_group=1)
     with pytest.raises(ValueError, match=r"expert parallel size 2 .*: must divide n_routed_experts = 3"):
-        LLM(model=path, data_parallel_size=2, enable_expert_parallel=True)
+        LLM(model=path, data_parallel_size=2, enable_expert_parallel=True, enforce_eager=True)
     with pytest.raises(ValueError, match="data_parallel_size = 2 with tensor_parallel_size = 2"):
-        LLM(model=path, data_parallel_size=2, tensor_parallel_size=2)
+        LLM(model=path, data_parallel_size=2, tensor_parallel_size=2, enforce_eager=True)
 
 
 def test_each_rank_loads_only_its_experts(tmp_path):
@@ -301,7 +302,8 @@ def test_dp2_structured_outputs_match_one_process(tmp_path):
     params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=GRAMMARS[kind])
               for kind in ("json", "regex", "choice", "grammar")]
     want = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float32", speculative_config=spec,
-                                                 max_model_len=256).generate(TEXTS, params, use_tqdm=False)]
+                                                 max_model_len=256, enforce_eager=True).generate(TEXTS, params,
+                                                                                                  use_tqdm=False)]
     two = data_parallel(path, speculative_config=spec, max_model_len=256)
     try:
         got = [o.outputs[0].token_ids for o in two.generate(TEXTS, params, use_tqdm=False)]

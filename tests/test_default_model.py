@@ -24,8 +24,8 @@ def test_default_model_matches_transformers():
 def test_default_model_speculation_lossless_and_accepting():
     prompts = ["def fibonacci(n):", "class Stack:\n    def __init__(self):"]
     params = SamplingParams(temperature=0.0, max_tokens=48)
-    plain = LLM().generate(prompts, params, use_tqdm=False)
-    llm = LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    plain = LLM(enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    llm = LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, enforce_eager=True)
     spec = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]

@@ -28,12 +28,12 @@ def run_to_end(engine):
 def test_disaggregated_equals_single_engine(ckpt, spec, params):
     import torch
     prompts = pattern_batch(torch.Generator().manual_seed(0), 3, 9).tolist()
-    single = LLMEngine.from_kwargs(ckpt, spec)
+    single = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
     for i, p in enumerate(prompts):
         single.add_request(str(i), None, p, params)
     want = run_to_end(single)
-    prefill_engine = LLMEngine.from_kwargs(ckpt, spec)
-    decode_engine = LLMEngine.from_kwargs(ckpt, spec)
+    prefill_engine = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
+    decode_engine = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
     for i, p in enumerate(prompts):
         add_prefilled(decode_engine, prefill(prefill_engine, str(i), None, p, params))
         pbm = prefill_engine.block_manager
@@ -49,17 +49,18 @@ def test_adaptive_prefill_side_hands_off_the_drafts_it_chose(ckpt, monkeypatch):
     import torch
     from mtpserve.spec_decode.adaptive import AdaptiveK
     p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    fixed = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}), "a", None,
+    fixed = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False},
+                                          enforce_eager=True), "a", None,
                     [3, 4, 5, 6, 7], p)
-    adaptive = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2})
+    adaptive = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2}, enforce_eager=True)
     with monkeypatch.context() as m:
         m.setattr(AdaptiveK, "choose", lambda self, batch, rooms=None: 0)
         handoff = prefill(adaptive, "a", None, [3, 4, 5, 6, 7], p)
     assert handoff.draft_token_ids == [] and len(fixed.draft_token_ids) == 2
     assert all(torch.equal(a, b) for a, b in zip(handoff.kv, fixed.kv, strict=True))
-    single = LLMEngine.from_kwargs(ckpt, None)
+    single = LLMEngine.from_kwargs(ckpt, None, enforce_eager=True)
     single.add_request("a", None, [3, 4, 5, 6, 7], p)
-    decode_engine = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False})
+    decode_engine = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}, enforce_eager=True)
     add_prefilled(decode_engine, handoff)
     assert run_to_end(decode_engine) == run_to_end(single)
 
@@ -75,11 +76,11 @@ def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs, temp
     params = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=7 if temperature else None)
     spec = {"num_speculative_tokens": k, "adaptive": False}
     mode = dict(enforce_eager=not graphs, graph_batch_sizes=[4])
-    single = LLMEngine.from_kwargs(ckpt, spec)
+    single = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
     for i, p in enumerate(prompts):
         single.add_request(str(i), None, p, params)
     want = run_to_end(single)
-    prefill_engine = LLMEngine.from_kwargs(ckpt, spec)
+    prefill_engine = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
     decode_engine = LLMEngine.from_kwargs(ckpt, spec, **mode)
     first_steps, graph_steps = count_first_steps(decode_engine)
     for i, p in enumerate(prompts):
@@ -105,10 +106,11 @@ def test_scheme2_owes_no_mtp_pass_after_the_first_step_whatever_drafts(ckpt):
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     prompt = pattern_batch(torch.Generator().manual_seed(2), 1, 9).tolist()[0]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    single = LLMEngine.from_kwargs(ckpt, spec)
+    single = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
     single.add_request("a", None, prompt, params)
-    decode_engine = LLMEngine.from_kwargs(ckpt, spec)
-    add_prefilled(decode_engine, prefill(LLMEngine.from_kwargs(ckpt, spec), "a", None, prompt, params, "hidden"))
+    decode_engine = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
+    prefill_engine = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
+    add_prefilled(decode_engine, prefill(prefill_engine, "a", None, prompt, params, "hidden"))
     req = decode_engine.requests["a"]
     assert req.mtp_prefix_hidden is not None
     done = {o.request_id: o.outputs[0].token_ids for o in decode_engine.step() if o.finished}
@@ -141,25 +143,29 @@ def count_first_steps(engine):
 
 def test_handoff_refused_when_engines_differ(ckpt):
     p = SamplingParams(temperature=0.0, max_tokens=5)
-    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 1, "adaptive": False}), "a", None,
+    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 1, "adaptive": False},
+                                            enforce_eager=True), "a", None,
                       [3, 4, 5], p)
     with pytest.raises(ValueError, match="handoff: .*(KV caches|num_speculative_tokens)"):
-        add_prefilled(LLMEngine.from_kwargs(ckpt, None), handoff)
+        add_prefilled(LLMEngine.from_kwargs(ckpt, None, enforce_eager=True), handoff)
 
 
 def test_handoff_refused_when_k_differs(ckpt):
     p = SamplingParams(temperature=0.0, max_tokens=5)
-    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 3, "adaptive": False}), "a", None,
+    handoff = prefill(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 3, "adaptive": False},
+                                            enforce_eager=True), "a", None,
                       [3, 4, 5], p)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        add_prefilled(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}), handoff)
+        add_prefilled(LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False},
+                                            enforce_eager=True), handoff)
 
 
 def test_handoff_survives_the_wire(ckpt):
     """encode/decode (the frames a KV endpoint sends): every tensor bit-exact, bf16 included."""
     import torch
     from mtpserve.disagg.transport import decode, encode
-    engine = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}, dtype="bfloat16")
+    engine = LLMEngine.from_kwargs(ckpt, {"num_speculative_tokens": 2, "adaptive": False}, dtype="bfloat16",
+                                   enforce_eager=True)
     h = prefill(engine, "a", None, [3, 4, 5, 6], SamplingParams(temperature=0.8, seed=3, max_tokens=5),
                 scheme="hidden")
     frames = encode(h)
@@ -195,13 +201,13 @@ def test_prefix_cache_on_both_sides_of_a_handoff(ckpt):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompt = pattern_batch(torch.Generator().manual_seed(1), 1, 40)[0].tolist()
     next_turn = prompt + [7, 8, 9]
-    single = LLMEngine.from_kwargs(ckpt, spec, enable_prefix_caching=False, block_size=4)
+    single = LLMEngine.from_kwargs(ckpt, spec, enable_prefix_caching=False, block_size=4, enforce_eager=True)
     single.add_request("a", None, prompt, params)
     want = run_to_end(single)
     single.add_request("b", None, next_turn, params)
     want.update(run_to_end(single))
-    prefill_engine = LLMEngine.from_kwargs(ckpt, spec, block_size=4)
-    decode_engine = LLMEngine.from_kwargs(ckpt, spec, block_size=4)
+    prefill_engine = LLMEngine.from_kwargs(ckpt, spec, block_size=4, enforce_eager=True)
+    decode_engine = LLMEngine.from_kwargs(ckpt, spec, block_size=4, enforce_eager=True)
     first = prefill(prefill_engine, "a", None, prompt, params)
     second = prefill(prefill_engine, "a", None, prompt, params)
     assert prefill_engine.block_manager.num_hits >= 32   # the repeated prompt: all but its last block hit

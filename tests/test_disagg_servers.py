@@ -91,7 +91,7 @@ def complete(url, prompt, stream=False, **sampling) -> list[int]:
 
 
 def reference(ckpt, k, params) -> list[list[int]]:
-    llm = LLM(model=ckpt, dtype="float32", speculative_config=json.loads(spec(k)))
+    llm = LLM(model=ckpt, dtype="float32", speculative_config=json.loads(spec(k)), enforce_eager=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params,
                                                          use_tqdm=False)]
 

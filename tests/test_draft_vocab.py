@@ -39,17 +39,17 @@ def test_bad_draft_vocab_size_is_refused(trained, tmp_path):
             SpeculativeConfig.from_dict({"num_speculative_tokens": 1, "adaptive": False, "draft_vocab_size": bad})
     with pytest.raises(ValueError, match=r"draft_vocab_size = 49: must be an integer in \[1, 48\]"):
         LLM(trained, speculative_config={"num_speculative_tokens": 1, "adaptive": False,
-                                         "draft_vocab_size": PATTERN_VOCAB + 1})
+                                         "draft_vocab_size": PATTERN_VOCAB + 1}, enforce_eager=True)
     no_counts = tmp_path / "no_counts"
     shutil.copytree(trained, no_counts)
     os.remove(no_counts / FREQUENCIES_FILE)
     spec = {"num_speculative_tokens": 1, "adaptive": False, "draft_vocab_size": 8}
     with pytest.raises(ValueError, match=FREQUENCIES_FILE):
-        LLM(str(no_counts), speculative_config=spec)
+        LLM(str(no_counts), speculative_config=spec, enforce_eager=True)
     for counts, found in [([1] * 5, "5 counts"), ([0] * PATTERN_VOCAB, "48 counts")]:
         write_frequencies(str(no_counts), counts, "bad counts")
         with pytest.raises(ValueError, match=f"{found} \\(need 48, one per token id, not all zero\\)"):
-            LLM(str(no_counts), speculative_config=spec)
+            LLM(str(no_counts), speculative_config=spec, enforce_eager=True)
 
 
 @pytest.mark.parametrize("k, size", [(1, 24), (3, 24), (2, 1)])
@@ -57,7 +57,7 @@ def test_greedy_identical_and_drafts_from_the_draft_vocab(trained, k, size):
     prompts = prompts_for()
     base, _ = run(trained, None, prompts)
     spec = {"num_speculative_tokens": k, "adaptive": False, "draft_vocab_size": size}
-    llm = LLM(trained, speculative_config=spec, max_num_batched_tokens=16)
+    llm = LLM(trained, speculative_config=spec, max_num_batched_tokens=16, enforce_eager=True)
     allowed = set(top_tokens(json.load(open(os.path.join(trained, FREQUENCIES_FILE)))["counts"], size).tolist())
     drafted = []
     execute = llm.engine.runner.execute
@@ -80,7 +80,8 @@ def test_greedy_identical_and_drafts_from_the_draft_vocab(trained, k, size):
 def test_greedy_requests_unchanged_next_to_sampling_ones(trained):
     prompts = prompts_for()
     base, _ = run(trained, None, prompts)
-    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 24})
+    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 24},
+              enforce_eager=True)
     sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
     params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -88,7 +89,8 @@ def test_greedy_requests_unchanged_next_to_sampling_ones(trained):
 
 
 def test_sampled_drafts_carry_their_distribution_over_the_whole_vocabulary(trained):
-    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 24})
+    llm = LLM(trained, speculative_config={"num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 24},
+              enforce_eager=True)
     results = []
     execute = llm.engine.runner.execute
 

@@ -38,7 +38,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     dict(max_num_batched_tokens=8, num_kv_blocks=13, block_size=4),     # preemption by recompute
 ], ids=["plain", "chunked", "chunked-long", "preempt"])
 def test_greedy_matches_transformers(ckpt, engine_kwargs):
-    llm = LLM(ckpt, **engine_kwargs)
+    llm = LLM(ckpt, enforce_eager=True, **engine_kwargs)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == hf_greedy(ckpt, prompt, 12)
@@ -51,7 +51,7 @@ def test_greedy_matches_transformers(ckpt, engine_kwargs):
 
 
 def test_preemption_happens(ckpt):
-    llm = LLM(ckpt, max_num_batched_tokens=8, num_kv_blocks=13, block_size=4)
+    llm = LLM(ckpt, max_num_batched_tokens=8, num_kv_blocks=13, block_size=4, enforce_eager=True)
     for i, p in enumerate(PROMPTS):
         llm.engine.add_request(str(i), None, p, GREEDY)
     preempted = 0
@@ -62,20 +62,20 @@ def test_preemption_happens(ckpt):
 
 
 def test_seeded_sampling_reproducible_and_batch_independent(ckpt):
-    llm = LLM(ckpt)
+    llm = LLM(ckpt, enforce_eager=True)
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
     alone = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=p, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True)
     mixed = llm.generate(prompt_token_ids=[PROMPTS[1], PROMPTS[0], PROMPTS[2]],
                          sampling_params=[others, p, others], use_tqdm=False)
     assert mixed[1].outputs[0].token_ids == alone
-    again = LLM(ckpt, max_num_batched_tokens=4).generate(prompt_token_ids=[PROMPTS[0]], sampling_params=p,
-                                                         use_tqdm=False)
+    again = LLM(ckpt, max_num_batched_tokens=4, enforce_eager=True).generate(prompt_token_ids=[PROMPTS[0]],
+                                                                             sampling_params=p, use_tqdm=False)
     assert again[0].outputs[0].token_ids == alone
 
 
 def test_n_stop_tokens_and_max_tokens(ckpt):
-    llm = LLM(ckpt)
+    llm = LLM(ckpt, enforce_eager=True)
     greedy = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY, use_tqdm=False)[0]
     tokens = greedy.outputs[0].token_ids
     stop_at = tokens[4]
@@ -90,7 +90,7 @@ def test_n_stop_tokens_and_max_tokens(ckpt):
 
 
 def test_eos_stops_unless_ignored(ckpt):
-    llm = LLM(ckpt)
+    llm = LLM(ckpt, enforce_eager=True)
     tokens = llm.generate(prompt_token_ids=[PROMPTS[3]], sampling_params=GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     llm.engine.eos_token_ids = {tokens[2]}
     p = SamplingParams(temperature=0.0, max_tokens=12)
@@ -105,7 +105,7 @@ def test_eos_stops_unless_ignored(ckpt):
     (dict(prompt_token_ids=[[1] * 512]), "max_model_len"),
 ])
 def test_bad_input_raises_and_others_finish(ckpt, bad, field):
-    llm = LLM(ckpt)
+    llm = LLM(ckpt, enforce_eager=True)
     llm.engine.add_request("good", None, PROMPTS[0], GREEDY)
     with pytest.raises(ValueError, match=field):
         llm.generate(use_tqdm=False, **bad)
@@ -126,7 +126,7 @@ def test_bad_sampling_params(kwargs, field):
 
 
 def test_abort_frees_blocks_and_many_requests_leak_nothing(ckpt):
-    llm = LLM(ckpt, num_kv_blocks=40, block_size=4, max_num_batched_tokens=16)
+    llm = LLM(ckpt, num_kv_blocks=40, block_size=4, max_num_batched_tokens=16, enforce_eager=True)
     engine = llm.engine
     for i in range(30):
         engine.add_request(f"r{i}", None, PROMPTS[i % len(PROMPTS)],
@@ -142,7 +142,7 @@ def test_abort_frees_blocks_and_many_requests_leak_nothing(ckpt):
 
 
 def test_failed_generate_leaves_nothing_behind(ckpt):
-    llm = LLM(ckpt)
+    llm = LLM(ckpt, enforce_eager=True)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(prompt_token_ids=[[1, 2], [3]], sampling_params=[GREEDY, {"temperature": 0}], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt"):
@@ -155,7 +155,7 @@ def test_failed_generate_leaves_nothing_behind(ckpt):
 def test_a_request_that_breaks_the_step_fails_alone(ckpt):
     """A request whose parameters make the sampling step raise (here: top_k changed, after validation, to a
     value no tensor holds) fails with its own error; the others in its batch finish exactly as without it."""
-    llm = LLM(ckpt)
+    llm = LLM(ckpt, enforce_eager=True)
     sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)
     params = [GREEDY, sampled] * 3
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
@@ -179,9 +179,9 @@ def test_a_request_that_breaks_the_step_fails_alone(ckpt):
 def test_cpu_threads_is_applied_and_checked(ckpt):
     before = torch.get_num_threads()
     try:
-        LLM(ckpt, cpu_threads=before + 1)
+        LLM(ckpt, cpu_threads=before + 1, enforce_eager=True)
         assert torch.get_num_threads() == before + 1
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match=r"cpu_threads = 0: must be an integer >= 1"):
-        LLM(ckpt, cpu_threads=0)
+        LLM(ckpt, cpu_threads=0, enforce_eager=True)

@@ -53,7 +53,7 @@ SPEC = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
 
 
 def generate(path, spec=SPEC, **kw):
-    llm = LLM(model=path, dtype="float32", speculative_config=spec, **kw)
+    llm = LLM(model=path, dtype="float32", speculative_config=spec, **(dict(enforce_eager=True) | kw))
     params = [SamplingParams(temperature=0.0, max_tokens=30), SamplingParams(temperature=0.9, seed=3, max_tokens=30),
               SamplingParams(temperature=0.0, max_tokens=30)]
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)

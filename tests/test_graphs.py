@@ -288,3 +288,20 @@ def test_the_compiler_process_ends_when_the_serving_process_is_killed(ckpt, tmp_
                 os.kill(compiler, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_closed_compiler_process_never_starts_again():
+    """Shutdown closes it: a graph asked for afterwards (the compiler thread finding its process gone at exit)
+    starts no process; one started with its parent already gone (passed in, here pid 1: not its parent) ends at
+    once, though its requests pipe stays open."""
+    import subprocess
+    import sys
+    from mtpserve.executor.compile_process import CompileProcess
+    closed = CompileProcess(setup=None)
+    closed.close()
+    assert closed((FUSED, 1, 2)) is False and not closed.pids
+    orphan = subprocess.Popen([sys.executable, "-m", "mtpserve.executor.compile_process", "1"], stdin=subprocess.PIPE)
+    try:
+        assert orphan.wait(30) == 0
+    finally:
+        orphan.kill()

@@ -74,4 +74,4 @@ def test_mtp_is_lossless_on_the_int8_model(ckpt, graphs):
 
 def test_int8_refuses_float32_activations(ckpt):
     with pytest.raises(ValueError, match="quantization = 'int8': dtype must be bfloat16 or float16"):
-        LLM(ckpt, quantization="int8", dtype="float32")
+        LLM(ckpt, quantization="int8", dtype="float32", enforce_eager=True)

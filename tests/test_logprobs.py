@@ -25,7 +25,8 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(trained):
-    return {name: LLM(trained, speculative_config=spec, block_size=4) for name, spec in SPECS.items()}
+    return {name: LLM(trained, speculative_config=spec, block_size=4,
+                      enforce_eager=True) for name, spec in SPECS.items()}
 
 
 def prompts():
@@ -134,7 +135,7 @@ def test_prompt_logprobs_under_chunking_prefix_cache_and_preemption(trained, eng
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     base = generate(engines["off"], params)
     small = LLM(trained, speculative_config=SPECS["k3"], block_size=4, num_kv_blocks=14, max_num_seqs=5,
-                max_num_batched_tokens=12)   # (prompts in chunks of at most 12 tokens)
+                max_num_batched_tokens=12, enforce_eager=True)   # (prompts in chunks of at most 12 tokens)
     for _ in range(2):   # the second time the prompts are cached: prompt logprobs still come (no hit taken)
         outs = generate(small, params)
         for a, b in zip(base, outs):
@@ -182,7 +183,7 @@ def test_sampled_processors_follow_the_processed_distribution(tmp_path, spec):
     params = SamplingParams(temperature=1.3, max_tokens=2, ignore_eos=True, repetition_penalty=1.4,
                             frequency_penalty=0.6, presence_penalty=0.3, logit_bias={3: 1.5}, min_p=0.02)
     joint = reference_joint(path, prompt, params, 2)
-    llm = LLM(path, speculative_config=spec, max_num_seqs=512, max_num_batched_tokens=4096, seed=11)
+    llm = LLM(path, speculative_config=spec, max_num_seqs=512, max_num_batched_tokens=4096, seed=11, enforce_eager=True)
     outs = llm.generate(prompt_token_ids=[prompt] * 3000, sampling_params=params, use_tqdm=False)
     assert_follows(outs, joint)
     m = llm.get_metrics()
@@ -200,7 +201,7 @@ def test_fields_of_the_fused_step_follow_their_distribution(tmp_path, fields):
     params = SamplingParams(temperature=1.3, max_tokens=3, ignore_eos=True, logit_bias={}, **fields)
     joint = reference_joint(path, prompt, params, 3)
     llm = LLM(path, speculative_config={"num_speculative_tokens": 1, "adaptive": False}, max_num_seqs=512,
-              max_num_batched_tokens=4096, seed=11)
+              max_num_batched_tokens=4096, seed=11, enforce_eager=True)
     outs = llm.generate(prompt_token_ids=[prompt] * 3000, sampling_params=params, use_tqdm=False)
     assert_follows(outs, joint)
     assert llm.engine.runner.pass_counts["fused_sampled"] > 0

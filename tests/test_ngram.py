@@ -65,7 +65,7 @@ def test_greedy_identical_with_chunked_prefill_and_preemption(trained):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     base, _ = run(trained, None, prompts, params)
     engine = LLM(trained, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-                 max_num_batched_tokens=16, num_kv_blocks=40, block_size=4).engine
+                 max_num_batched_tokens=16, num_kv_blocks=40, block_size=4, enforce_eager=True).engine
     for i, p in enumerate(prompts):
         engine.add_request(str(i), None, p, params)
     preempted, out = 0, {}
@@ -81,7 +81,8 @@ def test_greedy_identical_with_chunked_prefill_and_preemption(trained):
 def test_works_without_mtp_layers(tmp_path):
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="MTP layers"):
-        LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
+        LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False},
+            enforce_eager=True)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 40)) * 2, [9, 9, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     base, _ = run(path, None, prompts, params)
@@ -89,7 +90,7 @@ def test_works_without_mtp_layers(tmp_path):
     assert out == base
     check_metrics(m, 2)
     assert m["num_drafts"] > 0
-    llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, enforce_eager=True)
     assert not llm.engine.runner.mtp_caches   # no MTP cache is allocated
 
 

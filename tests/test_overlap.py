@@ -53,12 +53,12 @@ def summary(outs) -> list:
 def test_same_outputs_as_without_overlap(ckpt, copies, kw):
     prompts = prompts_for()
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    base_texts = [o.outputs[0].text for o in LLM(ckpt, speculative_config=SPEC).generate(
+    base_texts = [o.outputs[0].text for o in LLM(ckpt, speculative_config=SPEC, enforce_eager=True).generate(
         prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)]
     prompts, params = prompts * copies, requests(base_texts) * copies
     runs = {}
     for overlap in (False, True):
-        llm = LLM(ckpt, speculative_config=SPEC, overlap=overlap, **kw)
+        llm = LLM(ckpt, speculative_config=SPEC, overlap=overlap, enforce_eager=True, **kw)
         runs[overlap] = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         engine = llm.engine
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.requests
@@ -77,7 +77,7 @@ def test_stop_string_inside_a_step_drops_the_tokens_after_it(ckpt):
     the step that ran meanwhile (scheduled before the text was checked) is discarded."""
     prompt = prompts_for()[2]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    engine = LLMEngine.from_kwargs(ckpt, speculative_config=SPEC, overlap=True)
+    engine = LLMEngine.from_kwargs(ckpt, speculative_config=SPEC, overlap=True, enforce_eager=True)
     engine.add_request("full", None, prompt, greedy)
     step_ends = []   # output length after each step
     while engine.has_unfinished_requests():
@@ -108,9 +108,9 @@ def test_abort_while_its_step_runs(ckpt, caplog):
     finish exactly as without it and every block comes back."""
     prompts = prompts_for()
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    base = [o.outputs[0].token_ids for o in LLM(ckpt, speculative_config=SPEC).generate(
+    base = [o.outputs[0].token_ids for o in LLM(ckpt, speculative_config=SPEC, enforce_eager=True).generate(
         prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)]
-    engine = LLMEngine.from_kwargs(ckpt, speculative_config=SPEC, overlap=True)
+    engine = LLMEngine.from_kwargs(ckpt, speculative_config=SPEC, overlap=True, enforce_eager=True)
     aborted, execute = threading.Event(), engine.executor.execute
 
     def held_back_execute(scheduled):
@@ -144,7 +144,8 @@ def test_sampling_lossless_with_overlap(tmp_path_factory):
     prompt, num = [1, 4, 2], 3000
     params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=2, ignore_eos=True)
     joint = exact_joint(path, prompt, params, 2)
-    llm = LLM(path, speculative_config=SPEC, max_num_seqs=512, max_num_batched_tokens=4096, seed=12, overlap=True)
+    llm = LLM(path, speculative_config=SPEC, max_num_seqs=512, max_num_batched_tokens=4096, seed=12, overlap=True,
+              enforce_eager=True)
     outs = []
     for _ in range(3):
         outs += llm.generate(prompt_token_ids=[prompt] * (num // 3), sampling_params=params, use_tqdm=False)
@@ -155,9 +156,9 @@ def test_sampling_lossless_with_overlap(tmp_path_factory):
 
 def test_overlap_refused_across_processes_and_with_disaggregation(ckpt):
     with pytest.raises(ValueError, match="overlap"):
-        LLMEngine.from_kwargs(ckpt, overlap=True, tensor_parallel_size=2)
+        LLMEngine.from_kwargs(ckpt, overlap=True, tensor_parallel_size=2, enforce_eager=True)
     from mtpserve.disagg.offline import single_process
-    engine = LLMEngine.from_kwargs(ckpt, speculative_config=SPEC, overlap=True)
+    engine = LLMEngine.from_kwargs(ckpt, speculative_config=SPEC, overlap=True, enforce_eager=True)
     with pytest.raises(ValueError, match="overlap"):
         single_process(engine)
     engine.shutdown()

@@ -40,7 +40,7 @@ def test_outputs_identical_with_the_cache_on_and_off(trained1, spec, kw):
     """Each prompt set runs twice on one engine (the second time its prefixes are cached, the system prompt from
     the first request on), greedy and seeded, n = 1 and 4: the tokens are those of an engine without the cache,
     and the MTP acceptance per position on the cached prompts is the same as on the uncached ones."""
-    kw = dict(block_size=4, **kw)
+    kw = dict(block_size=4, enforce_eager=True, **kw)
     on, off = LLM(trained1, speculative_config=spec, **kw), LLM(trained1, speculative_config=spec,
                                                                  enable_prefix_caching=False, **kw)
     four = SamplingParams(temperature=0.8, seed=5, n=4, max_tokens=8, ignore_eos=True)
@@ -68,7 +68,8 @@ def test_a_hit_computes_only_the_tokens_past_it(tmp_path):
     noise they change (the hit reads it; nothing recomputes it). (Random weights: a trained tiny model's drafts
     hardly attend.)"""
     spec = {"num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(random_checkpoint(tmp_path, num_nextn_predict_layers=3), speculative_config=spec, block_size=4)
+    llm = LLM(random_checkpoint(tmp_path, num_nextn_predict_layers=3), speculative_config=spec, block_size=4,
+              enforce_eager=True)
     runner, log = llm.engine.runner, []
     execute = runner.execute
 
@@ -95,7 +96,7 @@ def test_a_block_whose_following_tokens_differ_is_not_hit(trained1):
     9 after it. B = SYSTEM[:8] + [10, ...] hits block 0 only; A's block 1, its MTP KV then filled with noise,
     changes nothing of B's: tokens and acceptance per position are an uncached engine's."""
     spec = {"num_speculative_tokens": 2, "adaptive": False}
-    llm = LLM(trained1, speculative_config=spec, block_size=4)
+    llm = LLM(trained1, speculative_config=spec, block_size=4, enforce_eager=True)
     a, b = SYSTEM[:8] + [9, 12, 13], SYSTEM[:8] + [10, 12, 13]
     outputs(llm, [a], GREEDY)
     bm = llm.engine.block_manager
@@ -105,14 +106,14 @@ def test_a_block_whose_following_tokens_differ_is_not_hit(trained1):
     hits, before = bm.num_hits, llm.get_metrics()["accepted_per_position"]
     got = outputs(llm, [b], GREEDY)
     assert bm.num_hits - hits == 4
-    fresh = LLM(trained1, speculative_config=spec, block_size=4, enable_prefix_caching=False)
+    fresh = LLM(trained1, speculative_config=spec, block_size=4, enable_prefix_caching=False, enforce_eager=True)
     assert got == outputs(fresh, [b], GREEDY)
     after = [x - y for x, y in zip(llm.get_metrics()["accepted_per_position"], before)]
     assert after == fresh.get_metrics()["accepted_per_position"]
 
 
 def test_salts_share_nothing_and_reset_empties_the_cache(trained1):
-    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 1}, block_size=4)
+    llm = LLM(trained1, speculative_config={"num_speculative_tokens": 1}, block_size=4, enforce_eager=True)
     bm = llm.engine.block_manager
 
     def hits(salt):
@@ -131,7 +132,7 @@ def test_salts_share_nothing_and_reset_empties_the_cache(trained1):
 
 def test_n_children_compute_the_prompt_once(trained1):
     """n = 4: one child computes the prompt; the others wait a step and hit its blocks."""
-    llm = LLM(trained1, block_size=4)
+    llm = LLM(trained1, block_size=4, enforce_eager=True)
     computed, execute = [], llm.engine.runner.execute
     llm.engine.runner.execute = lambda scheduled: computed.extend(
         s.num_new_tokens for s in scheduled if s.start <= len(SYSTEM)) or execute(scheduled)
@@ -150,7 +151,7 @@ def test_graph_mode_hits_give_eager_tokens(tmp_path):
     spec = {"num_speculative_tokens": 1, "adaptive": False}
     graph = LLM(path, speculative_config=spec, enforce_eager=False, graph_batch_sizes=[4], max_model_len=64,
                 block_size=4)
-    eager = LLM(path, speculative_config=spec, enable_prefix_caching=False, block_size=4)
+    eager = LLM(path, speculative_config=spec, enable_prefix_caching=False, block_size=4, enforce_eager=True)
     for _ in range(2):
         assert outputs(graph, prompts(), GREEDY) == outputs(eager, prompts(), GREEDY)
     assert graph.get_metrics()["prefix_cache_hits"] > 0 and graph.engine.runner.pass_counts["fused"] > 0

@@ -2,6 +2,7 @@
 tokenizer, MTP speculation on) driven by the official `openai` client, checked against the offline engine
 on the same checkpoint; plus the AsyncEngine's queue limit and error isolation on a scripted fake engine."""
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -82,7 +83,7 @@ def offline(ckpt):
     torch.set_num_threads(1)   # as the server runs (OMP_NUM_THREADS=1); much faster on a busy machine
     try:
         engine = LLMEngine.from_kwargs(model=ckpt, speculative_config=SPEC, max_num_seqs=4,
-                                       max_model_len=MAX_MODEL_LEN, num_kv_blocks=96)
+                                       max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, enforce_eager=True)
         for i, p in enumerate(PROMPTS):
             engine.add_request(str(i), p, None, SamplingParams(temperature=0.0, max_tokens=12))
         finals = {}
@@ -443,22 +444,36 @@ def test_serve_leaves_a_core_to_the_http_server(monkeypatch):
         assert args.cpu_threads == want, (cores, argv)
 
 
-def test_serve_compiles_graphs_in_the_background_by_default_where_that_starts_at_once():
-    """`mtpserve serve` on the CPU without --enforce-eager / --graph-mode: graph mode compiled in the background
-    for no speculation, a fixed k and adaptive k; several ranks stay eager; a flag given is kept."""
+def test_graph_mode_by_default_where_it_starts_at_once(monkeypatch):
+    """Without --enforce-eager / --graph-mode: one CPU process whose threads leave a core free (`serve` leaves
+    one) compiles its graphs in the background, for no speculation, a fixed k and adaptive k; on every core
+    (`generate`, `LLM`), or with several CPU ranks, it runs eagerly; CUDA captures its graphs at start-up; a flag
+    given is kept."""
     import argparse
+    import torch
+    from mtpserve.engine.setup import engine_config, resolve_graph_mode
     from mtpserve.engine_args import engine_kwargs
-    from mtpserve.serve.server import add_serve_args, serving_graph_mode
+    from mtpserve.serve.server import add_serve_args, check_serve_args
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
     fixed = '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}'
-    for argv, background in [([], True), (["--speculative-config", fixed], True),
-                             (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'], True),
-                             (["-tp", "2"], False), (["--enforce-eager"], False), (["--graph-mode"], False),
-                             (["--speculative-config", '{"method": "ngram"}'], True)]:
-        args = add_serve_args(argparse.ArgumentParser()).parse_args(["--device", "cpu", *argv])
-        kw = serving_graph_mode(engine_kwargs(args))
-        assert kw.get("compile_in_background", False) == background, argv
-        assert kw["enforce_eager"] is (False if background or "--graph-mode" in argv else
-                                       True if "--enforce-eager" in argv else None), argv
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for argv, device, ranks, eager, background in [
+            ([], cpu, 1, False, True), (["--speculative-config", fixed], cpu, 1, False, True),
+            (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'], cpu, 1, False, True),
+            (["--speculative-config", '{"method": "ngram"}'], cpu, 1, False, True),
+            (["--cpu-threads", "4"], cpu, 1, True, False), (["-tp", "2"], cpu, 2, True, False),
+            ([], cuda, 1, False, False), ([], cuda, 2, False, False), (["--enforce-eager"], cpu, 1, True, False),
+            (["--graph-mode"], cpu, 1, False, False),
+            (["--compile-in-background", "--cpu-threads", "4"], cpu, 1, False, True)]:
+        args = add_serve_args(argparse.ArgumentParser()).parse_args(argv)
+        check_serve_args(args)   # (serve's threads: the cores but one, divided among its ranks)
+        cfg = resolve_graph_mode(engine_config(**engine_kwargs(args)), device, ranks)
+        assert (cfg.enforce_eager, cfg.compile_in_background) == (eager, background), (argv, device, ranks)
+    cfg = engine_config(model=None)   # (LLM's defaults: torch's threads, every core here)
+    monkeypatch.setattr(os, "cpu_count", torch.get_num_threads)
+    assert resolve_graph_mode(cfg, cpu, 1).enforce_eager is True
+    assert resolve_graph_mode(dataclasses.replace(cfg, cpu_threads=1), cpu, 1).compile_in_background is (
+        torch.get_num_threads() > 1)
 
 
 # ---- logprobs, echo and every vLLM request field (the server runs MTP; the reference runs without) ----
@@ -466,7 +481,7 @@ def test_serve_compiles_graphs_in_the_background_by_default_where_that_starts_at
 def offline_scores(ckpt, prompt: str, max_tokens: int, n: int):
     """The offline engine's output without speculation."""
     from mtpserve import LLM
-    llm = LLM(ckpt, max_model_len=MAX_MODEL_LEN, num_kv_blocks=96)
+    llm = LLM(ckpt, max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, enforce_eager=True)
     return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=n, ignore_eos=True,
                                                  prompt_logprobs=n), use_tqdm=False)[0]
 
@@ -617,7 +632,7 @@ def test_lm_evaluation_harness_scores_through_the_server(ckpt, server, tmp_path,
     assert 0.0 <= results["results"]["mtp_tiny_mc"]["acc,none"] <= 1.0
     assert len(results["samples"]["mtp_tiny_gen"]) == len(docs)
     tok = ckpt_tokenizer(ckpt)
-    llm = LLM(ckpt, max_model_len=MAX_MODEL_LEN, num_kv_blocks=96)
+    llm = LLM(ckpt, max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, enforce_eager=True)
     for sample in results["samples"]["mtp_tiny_mc"]:
         for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
             ctx, cont = tok.encode(context), tok.encode(continuation)

@@ -37,7 +37,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def run(path, spec, prompts, params=GREEDY, **kw):
-    llm = LLM(path, speculative_config=spec, **kw)
+    llm = LLM(path, speculative_config=spec, **(dict(enforce_eager=True) | kw))
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
@@ -86,7 +86,7 @@ def test_seeded_sampling_same_with_speculation_and_preemption(trained1):
     outputs = []
     for spec, kw in [(None, {}), (None, tight), ({"num_speculative_tokens": 2, "adaptive": False}, {}),
                      ({"num_speculative_tokens": 2, "adaptive": False}, tight)]:
-        llm = LLM(trained1, speculative_config=spec, **kw)
+        llm = LLM(trained1, speculative_config=spec, enforce_eager=True, **kw)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         outputs.append([o.outputs[0].token_ids for o in outs])
         assert (llm.engine.get_stats()["num_preemptions"] > 0) == bool(kw)
@@ -123,7 +123,8 @@ def test_fewer_mtp_layers_than_k_read_only_what_the_step_wrote(trained3, budget,
     runs = []
     for noise in (False, True):
         kw = {"max_num_batched_tokens": budget} if budget else {}
-        llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 4, "adaptive": False}, **kw)
+        llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 4, "adaptive": False},
+                  enforce_eager=True, **kw)
         if noise:
             fill_mtp_caches_with_noise(llm)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
@@ -217,7 +218,7 @@ def test_sampling_is_lossless(tmp_path_factory, spec):
     params = SamplingParams(temperature=1.3, top_p=0.95, max_tokens=2, ignore_eos=True)
     joint = exact_joint(path, prompt, params, 2)
     num = 3000
-    llm = LLM(path, speculative_config=spec, max_num_seqs=512, max_num_batched_tokens=4096, seed=11)
+    llm = LLM(path, speculative_config=spec, max_num_seqs=512, max_num_batched_tokens=4096, seed=11, enforce_eager=True)
     each = [SamplingParams(**{**vars(params), "seed": i}) for i in range(num)] if seeded else params
     outs = llm.generate(prompt_token_ids=[prompt] * num, sampling_params=each, use_tqdm=False)
     assert_follows(outs, joint)
@@ -258,7 +259,8 @@ def test_fused_sampled_graph_step_is_lossless(tmp_path_factory, monkeypatch, spe
     m = llm.get_metrics()
     assert 0.05 < m["acceptance_rate"] < 1.0
     seeded = each[1:128:2]   # the same tokens as sampling without speculation (eager)
-    plain = LLM(path, max_num_seqs=64).generate(prompt_token_ids=[prompt] * 64, sampling_params=seeded, use_tqdm=False)
+    plain = LLM(path, max_num_seqs=64, enforce_eager=True).generate(prompt_token_ids=[prompt] * 64,
+                                                                    sampling_params=seeded, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in outs[1:128:2]]
 
 
@@ -286,7 +288,7 @@ def test_mtp_output_index_equals_full_pass(random_ckpt):
 def test_synthetic_acceptance_rate_is_what_was_asked(random_ckpt):
     """Measurement mode: each draft passes with the given probability, greedy requests included."""
     spec = {"num_speculative_tokens": 2, "synthetic_acceptance": 0.5, "allow_lossy_measurement": True}
-    llm = LLM(random_ckpt, speculative_config=spec)
+    llm = LLM(random_ckpt, speculative_config=spec, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     llm.generate(prompt_token_ids=[[5, 6, 7]] * 16, sampling_params=params, use_tqdm=False)
     m = llm.get_metrics()
@@ -298,7 +300,8 @@ def test_synthetic_acceptance_rate_is_what_was_asked(random_ckpt):
 def test_synthetic_acceptance_needs_its_explicit_opt_in(random_ckpt):
     """A lossy measurement mode is refused by LLM (and serve, which builds the same config) unless asked for."""
     with pytest.raises(ValueError, match="synthetic_acceptance: a benchmark measurement mode .*allow_lossy_measurement"):
-        LLM(random_ckpt, speculative_config={"num_speculative_tokens": 2, "synthetic_acceptance": 0.5})
+        LLM(random_ckpt, speculative_config={"num_speculative_tokens": 2, "synthetic_acceptance": 0.5},
+            enforce_eager=True)
 
 
 def dense_drafts(model, tokens: list[int], k: int) -> list[int]:
@@ -321,7 +324,7 @@ def test_chained_drafts_equal_dense_recomputation(trained3, fused):
     (the last depth only at the position read): every step's drafts are those of the dense formula, in the
     fused decode step (spec_decode/fused.py, eager) as in the separate path (spec_decode/mtp.py)."""
     llm = LLM(trained3, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False,
-                                            "fused_graph_step": fused})
+                                            "fused_graph_step": fused}, enforce_eager=True)
     runner, checked, fused_steps = llm.engine.runner, [], []
     execute, fused_step = runner.execute, runner._fused_step
 

@@ -53,7 +53,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(ckpt):
-    return {name: LLM(ckpt, speculative_config=spec, max_model_len=256, block_size=4) for name, spec in SPECS.items()}
+    return {name: LLM(ckpt, speculative_config=spec, max_model_len=256, block_size=4,
+                      enforce_eager=True) for name, spec in SPECS.items()}
 
 
 PROMPTS = ["hello", "def fib(n):", "The quick brown fox", "this is"]
@@ -86,7 +87,7 @@ def test_masked_drafts_raise_acceptance_and_preemption_keeps_the_object(ckpt, en
     want = [o.outputs[0].token_ids for o in k3.generate(PROMPTS, params, use_tqdm=False)]
     assert k3.get_metrics()["acceptance_rate"] > free_rate + 0.2   # forced tokens ({"name": ...) are drafted
     small = LLM(ckpt, speculative_config=SPECS["k3"], max_model_len=256, block_size=4, num_kv_blocks=30,
-                max_num_batched_tokens=16)
+                max_num_batched_tokens=16, enforce_eager=True)
     got = small.generate(PROMPTS * 2, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want * 2
     assert small.engine.scheduler.num_preemptions > 0
@@ -163,7 +164,7 @@ def test_sampled_output_follows_the_masked_distribution(tmp_path):
             joint[(a, b)] = p
     params = SamplingParams(temperature=1.3, max_tokens=5, structured_outputs={"regex": "[abc][cde]"})
     llm = LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": False}, max_num_seqs=512,
-              max_num_batched_tokens=4096, seed=11)
+              max_num_batched_tokens=4096, seed=11, enforce_eager=True)
     outs = llm.generate(prompt_token_ids=[prompt] * 2000, sampling_params=params, use_tqdm=False)
     assert all(o.outputs[0].token_ids[2:] == [0] and o.outputs[0].finish_reason == "stop" for o in outs)
     for o in outs:

@@ -150,7 +150,7 @@ def test_a_worker_that_fails_reports_why_then_exits(tmp_path):
     from mtpserve.engine.setup import engine_config, engine_setup
     from mtpserve.executor.worker import worker_process
     path = write_random_checkpoint(str(tmp_path / "m"))
-    setup = engine_setup(engine_config(model=path))   # one rank: no rendezvous, straight to loading
+    setup = engine_setup(engine_config(model=path, enforce_eager=True))   # one rank: no rendezvous, straight to loading
     os.remove(os.path.join(path, "model.safetensors"))
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
@@ -165,9 +165,9 @@ def test_a_worker_that_fails_reports_why_then_exits(tmp_path):
 def test_bad_tensor_parallel_size_is_refused_before_starting(tmp_path):
     path = write_random_checkpoint(str(tmp_path / "m"), num_attention_heads=3)
     with pytest.raises(ValueError, match="tensor_parallel_size = 2: must divide num_attention_heads = 3"):
-        LLM(model=path, tensor_parallel_size=2)
+        LLM(model=path, tensor_parallel_size=2, enforce_eager=True)
     with pytest.raises(ValueError, match=r"tensor_parallel_size x data_parallel_size = 64: .* CPU cores"):
-        LLM(model=path, tensor_parallel_size=64)
+        LLM(model=path, tensor_parallel_size=64, enforce_eager=True)
 
 
 # ---- loading shard by shard (in-process: loading needs no collectives) ----------------------------------
@@ -216,7 +216,7 @@ def test_fp8_checkpoint_slices_dequantize_like_the_whole(tmp_path):
 def test_torchrun_launch_generates_like_one_process(ckpt, tmp_path):
     prompt = "def add(a, b):"
     ref = LLM(model=None, dtype="float32",
-              speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}, enforce_eager=True)
     expected = ref.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "mtpserve.cli", "generate", "-tp", "2", "--dtype", "float32",
@@ -248,7 +248,7 @@ def test_tp2_structured_outputs_match_one_process(tmp_path):
     spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=GRAMMARS[kind])
               for kind in ("json", "regex", "choice", "grammar")]
-    one = LLM(model=path, dtype="float32", speculative_config=spec, max_model_len=256)
+    one = LLM(model=path, dtype="float32", speculative_config=spec, max_model_len=256, enforce_eager=True)
     want = [o.outputs[0] for o in one.generate(TEXTS, params, use_tqdm=False)]
     two = tensor_parallel(path, speculative_config=spec, max_model_len=256)
     try:

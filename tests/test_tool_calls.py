@@ -146,7 +146,7 @@ def test_the_stop_token_is_kept_out_of_the_text_unless_asked(ckpt):
     """EOS (or a stop id) ends the text without its own text, special tokens shown or not; include_stop_str_in_output
     keeps it (vLLM's rule)."""
     from mtpserve import LLM, SamplingParams
-    llm = LLM(ckpt, max_model_len=256, num_kv_blocks=32)
+    llm = LLM(ckpt, max_model_len=256, num_kv_blocks=32, enforce_eager=True)
     prompt = "<|user|>hello\n<|assistant|>"
     texts = [llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, skip_special_tokens=False, **kw),
                           use_tqdm=False)[0].outputs[0] for kw in ({}, {"include_stop_str_in_output": True})]

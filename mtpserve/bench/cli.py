@@ -143,8 +143,11 @@ def run_bench(args) -> dict | None:
         from mtpserve.bench import report
         report.write_report(args.results, args.out, args.plot_dir)
         return None
-    if hasattr(args, "graph_mode"):
+    if hasattr(args, "graph_mode"):   # (one mode per measurement: eager on the CPU unless --graph-mode)
         args.enforce_eager = graph_kwargs(args)["enforce_eager"]
+        if args.enforce_eager is None:
+            import torch
+            args.enforce_eager = not torch.cuda.is_available()
     if getattr(args, "threads", None):
         import torch
         torch.set_num_threads(args.threads)

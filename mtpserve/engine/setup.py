@@ -1,6 +1,7 @@
 """From an EngineConfig to what every rank needs (RankSetup): checks, device, dtype, quantization, where the
 ranks run; and, in a process that is not the front (another node, a torchrun rank), running its ranks."""
 import os
+from dataclasses import replace
 
 import torch
 
@@ -55,10 +56,7 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
     if cfg.overlap and launch.world_size > 1:
         raise ValueError(f"overlap: one process only ({launch.world_size} ranks asked for); turn it off for tensor "
                          "or data parallelism")
-    if cfg.compile_in_background:
-        why = background_compile_refusal(cfg.enforce_eager, device, launch.world_size)
-        if why is not None:
-            raise ValueError(f"compile_in_background: {why}")
+    cfg = resolve_graph_mode(cfg, device, launch.world_size)
     if launch.world_size > 1:
         check_devices(device.type, launch)
         with torch.device("meta"):   # a shard that does not divide is refused here, before any process starts
@@ -68,12 +66,26 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
                      lookahead, k + 1 + lookahead, launch, resolve_quantization(cfg.quantization, model_config))
 
 
-def background_compile_refusal(enforce_eager: bool | None, device: torch.device, world_size: int) -> str | None:
-    """Why graphs cannot be compiled in the background here (None: they can): that needs one CPU process in graph
-    mode."""
-    if enforce_eager is not False:
-        return "graph mode only (enforce_eager = False, --graph-mode)"
-    return compile_later_refusal(device.type, world_size)
+def resolve_graph_mode(cfg: EngineConfig, device: torch.device, world_size: int) -> EngineConfig:
+    """enforce_eager = None (the default) is graph mode wherever it starts at once:
+
+        CUDA                                     graphs captured at start-up       enforce_eager False
+        CPU, one process, threads < cores       graphs compiled in the background  + compile_in_background
+        CPU, one process on every core; ranks   eager                              enforce_eager True
+
+    The background compiles cold in a compiler process (executor/compile_process.py) that needs a core the steps
+    leave free: `serve` leaves one (serving_cpu_threads); `LLM` and `generate` use every core unless cpu_threads
+    says otherwise. A compiler process beside steps on every core made them 3-10x slower (docs/history.md)."""
+    later_refusal = compile_later_refusal(device.type, world_size)
+    if cfg.compile_in_background and (cfg.enforce_eager or later_refusal):
+        raise ValueError("compile_in_background: " + (later_refusal or "graph mode only, not with enforce_eager"))
+    if cfg.compile_in_background or cfg.enforce_eager is not None:
+        return replace(cfg, enforce_eager=not cfg.compile_in_background and cfg.enforce_eager)
+    if device.type == "cuda":
+        return replace(cfg, enforce_eager=False)
+    spare_core = (cfg.cpu_threads or torch.get_num_threads()) < (os.cpu_count() or 1)
+    background = later_refusal is None and spare_core
+    return replace(cfg, enforce_eager=not background, compile_in_background=background)
 
 
 def int8_activation_dtype(asked: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -32,15 +32,19 @@ class CompileProcess:
         self.setup = setup
         self.process: subprocess.Popen | None = None
         self.pids: list[int] = []   # every compiler process started
-        atexit.register(self.stop)    # (an engine never shut down: its compiler process ends with this one)
+        self.closed = False           # (shut down: no compiler process starts again)
+        atexit.register(self.close)   # (an engine never shut down: its compiler process ends with this one)
 
-    def __call__(self, key: tuple) -> None:
-        """Returns once the compiler process has built graph `key` (its compiled code is in the cache)."""
+    def __call__(self, key: tuple) -> bool:
+        """Returns once the compiler process has built graph `key` (its compiled code is in the cache): True; or
+        has been stopped meanwhile, or is closed (shutting down): False."""
+        if self.closed:
+            return False
         if self.process is None:
             # (this process's sys.path: it imports what this one does, wherever that was found)
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-            self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, env=env)
+            self.process = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid())],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             self.pids.append(self.process.pid)
             logger.info("compiler process %d started", self.process.pid)
             # (its threads as here: inductor's code, and so the cache key, depends on the thread count)
@@ -50,16 +54,24 @@ class CompileProcess:
         try:
             error = pickle.load(process.stdout)
         except EOFError:
+            if self.process is not process:   # (stop())
+                return False
             raise RuntimeError(f"the compiler process exited (code {process.wait()})") from None
         if error is not None:
             raise RuntimeError(error)
+        return True
 
     def _send(self, obj) -> None:
         pickle.dump(obj, self.process.stdin)
         self.process.stdin.flush()
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Ends the compiler process for good (shutdown, exit)."""
+        self.closed = True
+        self.stop(timeout)
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Ends the compiler process (its graph in progress is dropped)."""
+        """Ends the compiler process (its graph in progress is dropped); the next graph asked for starts another."""
         if self.process is not None:
             process, self.process = self.process, None
             process.terminate()
@@ -71,14 +83,15 @@ class CompileProcess:
 
 
 def _exit_with(parent: int) -> None:
-    """Ends this process once the serving process is gone (killed, say), whatever graph it is compiling."""
+    """Ends this process once the serving process is gone (killed, say; or before this one started), whatever
+    graph it is compiling."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(0)
 
 
 def main() -> None:
-    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with, args=(int(sys.argv[1]),), daemon=True).start()
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)   # (stdout carries the replies only: anything printed goes to stderr)
     requests = sys.stdin.buffer

@@ -107,7 +107,7 @@ def build_rank(setup: RankSetup, rank: int, zeroed_kv: bool = True) -> Rank:
         if rank == 0:
             logger.info("draft vocabulary: the %d most frequent of %d tokens (%.1f%% of the counted tokens)",
                         len(ids), setup.model_config.vocab_size, 100 * coverage)
-    use_graphs = not (cfg.enforce_eager if cfg.enforce_eager is not None else device.type != "cuda")
+    use_graphs = not cfg.enforce_eager   # (resolved by engine/setup.py's resolve_graph_mode)
     dp = None
     if ep is not None and ep.dispatch:   # agreement on a gloo group (CPU tensors) whatever the device
         dp = DataParallelSync(group if device.type == "cpu" else dist.new_group(backend="gloo"), launch.world_size)

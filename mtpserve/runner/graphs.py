@@ -138,7 +138,8 @@ class GraphRunner:
             start, switch = time.perf_counter(), sys.getswitchinterval()
             try:
                 if self.compile_elsewhere is not None and key not in self._compiled:   # (cold, in its own process)
-                    self.compile_elsewhere(key)
+                    if not self.compile_elsewhere(key):   # (stopped: shutting down)
+                        continue
                     self._compiled.add(key)
                 with self._lock:   # (loading one takes seconds of the GIL: only sizes steps reached)
                     if self.compile_elsewhere is not None and key[1] not in self.reached_sizes:
@@ -173,7 +174,7 @@ class GraphRunner:
                 self._to_compile.task_done()
             self._to_compile.put(((), 0, None))
             if self.compile_elsewhere is not None:
-                self.compile_elsewhere.stop(timeout)
+                self.compile_elsewhere.close(timeout)
             self._compiler.join(timeout)
 
     def run(self, which: Pass, rows: list[Row], prev_hidden: torch.Tensor | None = None,

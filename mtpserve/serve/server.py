@@ -53,23 +53,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def build_engine(args):
     from mtpserve.engine.engine import LLMEngine
-    engine = LLMEngine.from_kwargs(**serving_graph_mode(engine_kwargs(args)))
+    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
     engine.calibrate()
     return engine
-
-
-def serving_graph_mode(kwargs: dict) -> dict:
-    """`serve` on the CPU with neither --enforce-eager nor --graph-mode: graph mode with each graph compiled in
-    the background when a step first needs it, where that starts at once (one process). `generate` and LLM stay
-    eager on the CPU unless asked."""
-    from mtpserve.engine.setup import background_compile_refusal, resolve_device_dtype
-    if kwargs["enforce_eager"] is not None:
-        return kwargs
-    device, _ = resolve_device_dtype(kwargs["device"], kwargs["dtype"])
-    ranks = kwargs["tensor_parallel_size"] * kwargs["data_parallel_size"]
-    if background_compile_refusal(False, device, ranks):
-        return kwargs
-    return kwargs | dict(enforce_eager=False, compile_in_background=True)
 
 
 def prefill_server_speculation(speculative_config: dict | None, kv_role: str) -> dict | None:

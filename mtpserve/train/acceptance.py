@@ -25,7 +25,7 @@ def measure(model: str, prompts: list[list[int]], max_tokens: int, cases) -> lis
     rows = []
     for k, temperature, drafts in cases:
         llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": k, "draft_sampling": drafts,
-                                          "adaptive": False})
+                                          "adaptive": False}, enforce_eager=True)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
         llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         m = llm.get_metrics()
