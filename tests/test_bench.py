@@ -213,8 +213,8 @@ def test_bench_serve(ckpt, tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.1)
         rec = run_cli(["bench", "serve", "--port", str(port), "--model", ckpt, "--num-prompts", "4",
-                       "--input-len", "5", "--output-len", "6", "--request-rate", "50", "--max-concurrency", "3"],
-                      tmp_path / "serve.json")
+                       "--input-len", "5", "--output-len", "6", "--request-rate", "50", "--max-concurrency", "3",
+                       "--server-command", "mtpserve serve --enforce-eager"], tmp_path / "serve.json")
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -224,6 +224,16 @@ def test_bench_serve(ckpt, tmp_path):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         assert set(r[key]) == {"mean", "median", "p99"}
     assert r["spec_decode"]["num_drafts"] > 0
+    # the report's serving-against-another-engine table: each server's command, tokens/s over the other engine's
+    other = json.loads(json.dumps(rec))
+    other["results"].update(server_command="other-server -t 1", output_token_throughput=r["output_token_throughput"] / 2)
+    paths = [tmp_path / "serve_peers_mtpserve_c3.json", tmp_path / "serve_peers_other-server_c3.json"]
+    for path, record in zip(paths, (rec, other)):
+        path.write_text(json.dumps(record))
+    page = report.write_report([str(p) for p in paths], str(tmp_path / "BENCH.md"), str(tmp_path / "plots"))
+    text = open(page).read()
+    assert "## Serving against llama.cpp's server" in text and "- other-server: `other-server -t 1`" in text
+    assert f"| mtpserve | 3 | {r['output_token_throughput']:.1f} |" in text and "| 2.00x |" in text
 
 
 @pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 24}])

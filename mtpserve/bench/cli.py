@@ -87,6 +87,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sv.add_argument("--max-concurrency", type=int, default=None)
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--server-command", default=None,
+                    help="how the server at --base-url was started (another engine's, say): kept in the results")
     st = sub.add_parser("startup", help="`serve --graph-mode`: time to ready and decode speed after, graphs "
                                         "compiled at start-up vs in the background, cold and warm inductor cache")
     _common(st, 32, 64)

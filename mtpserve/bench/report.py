@@ -5,7 +5,8 @@ import json
 import os
 
 from mtpserve.bench import plots
-from mtpserve.bench.report_tables import DEFINITIONS, _f, _mode, latency_tables, other_table, peers_table
+from mtpserve.bench.report_tables import (DEFINITIONS, _f, _mode, _serve_peers, latency_tables, other_table,  # noqa: F401
+                                          peers_table)
 
 
 def _kind(name: str, rec: dict) -> str:
@@ -14,7 +15,8 @@ def _kind(name: str, rec: dict) -> str:
     if kind == "peers":
         return "peers_llamacpp" if "llamacpp" in rec["results"] else "peers_transformers"
     if kind == "serve" or kind == "handoff":
-        return "disagg" if name.startswith(("disagg", "handoff")) else "serve"
+        return "disagg" if name.startswith(("disagg", "handoff")) else "serve_peers" if name.startswith(
+            "serve_peers") else "serve"
     return kind
 
 
@@ -32,6 +34,8 @@ SECTIONS = [   # (kind, title, the question it answers)
      "How does mtpserve compare with transformers' generate (plain and with its MTP candidate generator)?"),
     ("quantization", "Weight types: int8, bf16, fp32", "What do int8 weights cost in quality and buy in speed?"),
     ("serve", "Serving by concurrency", "What do clients of `mtpserve serve` see, without and with MTP?"),
+    ("serve_peers", "Serving against llama.cpp's server",
+     "What do 32 streaming clients get from `mtpserve serve` and from `llama-server` on the same weights?"),
     ("sampling", "Request features with MTP",
      "Does MTP keep its speedup with logprobs, penalties and structured outputs?"),
     ("prefix", "Prefix cache", "What does the prefix cache save on shared prompts?"),

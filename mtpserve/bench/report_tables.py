@@ -169,3 +169,18 @@ def graph_vs_eager_table(rows: list[dict], bs: int) -> list[str]:
     if any(builds):
         out.append(f"| start-up: compiling the graphs, s | 0 | {min(builds):.1f}-{max(builds):.1f} (per engine) | |")
     return out + [""]
+
+
+def _serve_peers(recs, plot_dir, page_dir) -> list[str]:
+    """serve_peers_<server>_c<N>.json: the same clients against mtpserve serve and another engine's server (each
+    launched as its server_command says) -> one row per server, tokens/s against the other engine's."""
+    rows = [(name.removeprefix("serve_peers_").rsplit("_c", 1)[0], rec["results"]) for name, rec in recs]
+    base = next((res for server, res in rows if not server.startswith("mtpserve")), None)
+    out = ["Streaming clients (`mtpserve bench serve`, the same prompts) against each server, one at a time; medians "
+           "in ms. Servers:", ""] + [f"- {server}: `{res['server_command']}`" for server, res in rows] + [
+        "", "| server | concurrency | output tok/s | TTFT | TPOT | tok/s / the other engine's |", "|---|---|---|---|---|---|"]
+    for server, res in rows:
+        ratio = f"{res['output_token_throughput'] / base['output_token_throughput']:.2f}x" if base else ""
+        out.append(f"| {server} | {res['max_concurrency']} | {res['output_token_throughput']:.1f} | "
+                   f"{_f(res['ttft_ms']['median'])} | {_f(res['tpot_ms']['median'])} | {ratio} |")
+    return out

@@ -157,7 +157,8 @@ def from_args(args) -> dict:
     res = asyncio.run(run_clients(base, model, prompts, args.output_len, args.request_rate, args.max_concurrency,
                                   not args.fixed_rate, args.api_key, args.seed))
     res.update(base_url=base, served_model=model, request_rate=str(args.request_rate),
-               arrivals="fixed" if args.fixed_rate else "poisson", max_concurrency=args.max_concurrency)
+               arrivals="fixed" if args.fixed_rate else "poisson", max_concurrency=args.max_concurrency,
+               server_command=args.server_command)
     print_serving(res)
     return res
 
