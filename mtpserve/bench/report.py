@@ -15,8 +15,9 @@ def _kind(name: str, rec: dict) -> str:
     if kind == "peers":
         return "peers_llamacpp" if "llamacpp" in rec["results"] else "peers_transformers"
     if kind == "serve" or kind == "handoff":
-        return "disagg" if name.startswith(("disagg", "handoff")) else "serve_peers" if name.startswith(
-            "serve_peers") else "serve"
+        if name.startswith(("disagg", "handoff")):
+            return "disagg"
+        return "serve_peers" if name.startswith("serve_peers") else "serve"
     return kind
 
 
