@@ -308,6 +308,10 @@ def test_fused_for_inference_equals_unfused(name, tmp_path):
     moe = [m for m in fused.modules() if type(m).__name__ == "MoE"]
     for m in moe:   # the experts' parameters are views of the stacked tensors, not copies
         assert m.experts["0"].gate_proj.weight.data_ptr() == m.w13.data_ptr()
+    # fp32 weights on the CPU are stored by columns ([out, in] with stride 1 along out), the embedding excepted
+    linears = [m.weight for m in fused.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(w.stride(0) == 1 for w in linears)
+    assert fused.model.embed_tokens.weight.stride(-1) == 1
 
 
 @pytest.mark.parametrize("num_tokens, experts", [(1, 8), (2, 3), (3, 8), (20, 8)])
@@ -341,7 +345,8 @@ def test_linear_equals_f_linear(rows):
     stacked = torch.randn(40, 3, 24, generator=gen)
     bias = torch.randn(40, generator=gen)
     compiled = torch.compile(linear, dynamic=False, fullgraph=True)
-    for weight in (stacked[:, 0].contiguous(), stacked[:, 1]):   # contiguous, and a strided view
+    by_columns = stacked[:, 2].t().contiguous().t()   # stored transposed, as fuse_for_inference keeps fp32 weights
+    for weight in (stacked[:, 0].contiguous(), stacked[:, 1], by_columns):   # contiguous, a strided view
         for b in (None, bias):
             for fn in (linear, compiled):
                 with torch._dynamo.config.patch(recompile_limit=64):   # a variant per shape and test

@@ -12,7 +12,7 @@ from torch import nn
 from mtpserve.config import ModelConfig
 from mtpserve.model.attention import AttentionMetadata, MLAttention, dense_metadata
 from mtpserve.model.fp8 import weight_of
-from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding, linear
+from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding, by_columns, linear
 from mtpserve.model.moe import MoE
 from mtpserve.model.parallel import ExpertParallel, TensorParallel, VocabParallelEmbedding
 
@@ -109,10 +109,15 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def fuse_for_inference(self) -> "DeepseekV3ForCausalLM":
         """Fewer, larger GEMMs: projections of the same input share one weight, experts are stacked. The
-        parameters become views of the fused tensors (same names and values), so this is for inference only."""
+        parameters become views of the fused tensors (same names and values), so this is for inference only.
+        fp32 weights on the CPU are then stored by columns (layers.by_columns)."""
         for name, m in self.named_modules():
             if hasattr(m, "fuse") and ".experts." not in name:   # MoE.fuse stacks its experts itself
                 m.fuse()
+        embedding = self.model.embed_tokens.weight   # (an embedding reads rows: a tied head stays row by row)
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and m.weight.is_contiguous() and m.weight is not embedding:
+                m.weight = nn.Parameter(by_columns(m.weight.detach()), requires_grad=False)
         return self
 
     def set_attention_mode(self, mode: str) -> None:
@@ -169,7 +174,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if id(head) not in copies:
                 copy = head.new_zeros(width, head.shape[1])
                 copy[:len(local)] = head.index_select(0, local.to(head.device))
-                copies[id(head)] = copy
+                copies[id(head)] = by_columns(copy)
             layer.draft_head = copies[id(head)]
             layer.draft_columns = None if tp.size == 1 else columns.to(head.device)
 

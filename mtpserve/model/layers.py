@@ -1,7 +1,5 @@
 """Small building blocks: RMSNorm, DeepSeek rotary embedding (with YaRN), the gated MLP."""
-import functools
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -43,60 +41,43 @@ class MLP(nn.Module):
         self.gate_up = share_storage([self.gate_proj, self.up_proj])
 
 
-# Up to this many rows (a decode or verify step at small batch), linear() avoids MKL's x @ weight.T on the CPU.
+# Up to this many rows (a decode or verify step at small batch), a CPU graph multiplies by a row-major weight
+# one row at a time.
 FEW_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for 1-8 rows on the CPU, where MKL's x @ weight.T repacks the whole weight on every
-    call (5 rows cost about what 16 do):
-    - in a CPU graph, one reduction per row: inductor fuses them into one kernel that reads the weight once, at
-      about twice the bandwidth MKL reaches on a few columns of a cold weight;
-    - eagerly, for fp32 and a contiguous weight, weight @ x.T (one row goes in twice) where this CPU runs it
-      faster than F.linear (`_by_columns`: which kernel MKL picks, and how fast, differs by CPU; a strided
-      weight, e.g. one expert's slice of the stacked down projections, keeps F.linear)."""
+    """F.linear, except in a CPU graph for 1-8 rows and a weight stored row by row (bf16): one reduction per
+    row, which inductor fuses into one kernel that reads the weight once (MKL's x @ weight.T repacks the whole
+    weight on every call). fp32 weights are stored by columns (`by_columns`): F.linear reads them as they lie."""
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):   # FP8 in memory: dequantized for this product only
         weight = weight.dequantize(x.dtype)
     rows = x.shape[0]
     # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
-    if not (statically_known_true(0 < rows) and statically_known_true(rows <= FEW_ROWS) and x.dim() == 2
-            and x.device.type == "cpu"):
+    if not (torch.compiler.is_compiling() and statically_known_true(0 < rows) and statically_known_true(rows <= FEW_ROWS)
+            and x.dim() == 2 and x.device.type == "cpu" and weight.stride(-1) == 1):
         return F.linear(x, weight, bias)
-    if torch.compiler.is_compiling():
-        out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])
-    elif x.dtype == torch.float32 and weight.is_contiguous() and _by_columns()[rows > 1]:
-        out = torch.mm(weight, (x if rows > 1 else torch.cat([x, x])).t())[:, :rows].t().contiguous()
-    else:
-        return F.linear(x, weight, bias)
+    out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])
     return out if bias is None else out + bias
-
-
-@functools.cache
-def _by_columns() -> tuple[bool, bool]:
-    """(for 1 row, for 2-8 rows) whether weight @ x.T beats F.linear on this CPU's cold fp32 weights: each timed
-    in turns over 16 MB of weights, once per process; F.linear unless the other is clearly (1.2x) faster."""
-    weights = [torch.full((1024, 256), 0.5) for _ in range(16)]   # (not random: the global RNG is the caller's)
-    choices = []
-    for rows in (1, 5):
-        x = torch.full((rows, 256), 0.5)
-        columns = torch.cat([x, x]) if rows == 1 else x
-        products = {"linear": lambda w: F.linear(x, w), "columns": lambda w: torch.mm(w, columns.t())}
-        best = dict.fromkeys(products, math.inf)
-        for _ in range(5):
-            for name, product in products.items():
-                start = time.perf_counter()
-                for w in weights:
-                    product(w)
-                best[name] = min(best[name], time.perf_counter() - start)
-        choices.append(best["linear"] > 1.2 * best["columns"])
-    return choices[0], choices[1]
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+BY_COLUMNS = True   # (False: weights stay row by row, as in the checkpoint: scripts/ab_weight_layout.py's A)
+
+
+def by_columns(w: torch.Tensor) -> torch.Tensor:
+    """w [..., out, in], the same values stored column by column on the CPU in fp32: W = [[a, b], [c, d], [e, f]]
+    lies as a c e b d f, so x @ W.T multiplies by W.T as a plain [in, out] matrix, which MKL runs faster than a
+    transposed one from a few rows up (docs/history.md). Other devices and dtypes: w as it is."""
+    if not BY_COLUMNS or w.device.type != "cpu" or w.dtype != torch.float32:
+        return w
+    return w.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def share_storage(linears: list[nn.Linear], dim: int = 0) -> torch.Tensor | Fp8Weight | Int8Weight:
@@ -106,6 +87,8 @@ def share_storage(linears: list[nn.Linear], dim: int = 0) -> torch.Tensor | Fp8W
     fused = torch.cat([m.weight.detach() for m in linears], dim=dim)
     scale_name = next((n for n in ("weight_scale", "int8_scale") if getattr(linears[0], n, None) is not None), None)
     scales = torch.cat([getattr(m, scale_name) for m in linears], dim=dim) if scale_name else None
+    if scale_name is None:
+        fused = by_columns(fused)
     start = 0
     for m in linears:
         size = m.weight.shape[dim]

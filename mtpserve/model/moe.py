@@ -6,7 +6,7 @@ from torch import nn
 from mtpserve.config import ModelConfig
 from mtpserve.model.fp8 import Fp8Weight
 from mtpserve.model.int8 import Int8Weight
-from mtpserve.model.layers import MLP, linear, silu_and_mul
+from mtpserve.model.layers import MLP, by_columns, linear, silu_and_mul
 from mtpserve.model.ops import opaque_op
 from mtpserve.model.parallel import ExpertParallel, TensorParallel
 
@@ -155,6 +155,7 @@ class MoE(nn.Module):
         experts = list(self.experts.values())
         int8 = getattr(experts[0].gate_proj, "int8_scale", None) is not None
         w13, w2 = stack("weight")
+        w13, w2 = by_columns(w13), by_columns(w2.movedim(1, 0)).movedim(0, 1)   # (w2[:, e] by columns too)
         inter = w2.shape[-1]
         for i, e in enumerate(experts):
             e.gate_proj.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
