@@ -60,3 +60,24 @@ def test_table_and_summary_ratios_are_ours_over_theirs():
     assert "batch 1 decode, ours / llama.cpp: 0.50x without speculation, 0.75x with" in said
     assert "batch 8 decode, ours / llama.cpp: 0.50x without speculation, 1.50x with" in said
     assert "512-token prompts 1.50x" in said
+
+
+def test_a_llamacpp_run_that_aborts_is_measured_again_without_repacking(monkeypatch):
+    """llama.cpp's tools die on an assertion where their weight repacking fails (Q8_0 on an AMX CPU): the run is
+    measured again with repacking off, both tools, and the result says so."""
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        if "--repack" in cmd and cmd[cmd.index("--repack") + 1] == "1":
+            raise subprocess.CalledProcessError(-6, cmd)
+        if "llama-bench" in cmd[0]:
+            return subprocess.CompletedProcess(cmd, 0, stdout='[{"n_prompt": 16, "n_gen": 0, "avg_ts": 90.0}, '
+                                                              '{"n_prompt": 0, "n_gen": 4, "avg_ts": 30.0}]', stderr="")
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"n_kv_max": 1, "pl": 8, "speed_tg": 120.0}\n', stderr="")
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", run)
+    monkeypatch.setattr(llamacpp, "tool", lambda name: f"/bin/{name}")
+    got = llamacpp._theirs("m.gguf", 1, [16], 4, [1, 8], 1, log=lambda *a: None)
+    assert got == {"pp16": 90.0, "tg4": 30.0, "batch8": 120.0, "repacked": 0.0}
+    assert len(calls) == 3 and "--no-repack" in calls[2]
