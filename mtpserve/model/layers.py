@@ -56,8 +56,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight = weight.dequantize(x.dtype)
     rows = x.shape[0]
     # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
-    if not (torch.compiler.is_compiling() and statically_known_true(0 < rows) and statically_known_true(rows <= FEW_ROWS)
-            and x.dim() == 2 and x.device.type == "cpu" and weight.stride(-1) == 1):
+    if not (torch.compiler.is_compiling() and statically_known_true(0 < rows)
+            and statically_known_true(rows <= FEW_ROWS) and x.dim() == 2 and x.device.type == "cpu"
+            and weight.stride(-1) == 1):
         return F.linear(x, weight, bias)
     out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])
     return out if bias is None else out + bias
@@ -84,11 +85,9 @@ def share_storage(linears: list[nn.Linear], dim: int = 0) -> torch.Tensor | Fp8W
     """Concatenates the linears' weights along `dim` and makes each weight a view of the result (the state
     dict keeps its names and no memory is duplicated). For inference: the views are not trained. FP8 and int8
     weights (all or none of them) are concatenated with their scales."""
-    fused = torch.cat([m.weight.detach() for m in linears], dim=dim)
+    fused = by_columns(torch.cat([m.weight.detach() for m in linears], dim=dim))   # (FP8, int8: as they are)
     scale_name = next((n for n in ("weight_scale", "int8_scale") if getattr(linears[0], n, None) is not None), None)
     scales = torch.cat([getattr(m, scale_name) for m in linears], dim=dim) if scale_name else None
-    if scale_name is None:
-        fused = by_columns(fused)
     start = 0
     for m in linears:
         size = m.weight.shape[dim]
