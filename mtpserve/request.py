@@ -50,9 +50,8 @@ class Request:
     error: str | None = None                         # why the engine failed it (finish_reason "error")
     dp_rank: int = 0                                 # the data-parallel rank (engine core) that runs it
     # prefill/decode disaggregation (mtpserve/disagg/)
-    hold_kv: bool = False                            # prefill side: keep the KV blocks once finished
+    hold_kv: bool = False                            # prefill side: finished, its KV blocks wait to be pulled
     last_hidden: torch.Tensor | None = None          # prefill side: hidden state at the last prompt position
-    mtp_prefix_hidden: torch.Tensor | None = None    # decode side: the MTP input hidden for the position before
     logprobs: list = field(default_factory=list)      # per output token {token: Logprob} (params.logprobs set)
     prompt_logprobs: list = field(default_factory=list)   # per prompt token: None, then {token: Logprob}
     grammar: object = None                           # structured outputs: its GrammarState (sampling/grammar.py)

@@ -70,7 +70,8 @@ def test_adaptive_prefill_side_hands_off_the_drafts_it_chose(ckpt, monkeypatch):
                          ids=["k1-eager", "k2-eager", "k2-seeded"])
 def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs, temperature):
     """Scheme 2: the decode engine gets no drafts and no MTP KV for the last prompt position, only the hidden
-    state there; its first step is an ordinary step without drafts that runs the MTP from there."""
+    state there; it runs that MTP pass as it takes the request in, and its first step is an ordinary step
+    without drafts."""
     import torch
     prompts = pattern_batch(torch.Generator().manual_seed(1), 3, 9).tolist()
     params = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=7 if temperature else None)
@@ -97,26 +98,31 @@ def test_scheme2_hidden_state_handoff_equals_single_engine(ckpt, k, graphs, temp
     assert dbm.num_free_blocks == dbm.num_blocks
 
 
-def test_scheme2_owes_no_mtp_pass_after_the_first_step_whatever_drafts(ckpt):
-    """The MTP pass a scheme-2 hand-off owes is settled when the engine commits the request's first step, also
-    on an engine drafting by n-gram (its proposer never runs that pass): afterwards the request is an ordinary
-    one (the prefix cache no longer holds back its last computed position), and it continues to one engine's
-    output."""
+def test_scheme2_import_writes_the_mtp_kv_that_scheme1_ships(ckpt):
+    """Scheme 2's decode side runs the MTP pass at the last prompt position from the shipped hidden state: its
+    MTP KV there equals what the prefill side computed and scheme 1 ships, and nothing is owed afterwards (the
+    request's first step is an ordinary one; the prefix cache registers its blocks like any other's)."""
     import torch
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    spec = {"num_speculative_tokens": 1, "adaptive": False}
     prompt = pattern_batch(torch.Generator().manual_seed(2), 1, 9).tolist()[0]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    single = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
-    single.add_request("a", None, prompt, params)
-    decode_engine = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
     prefill_engine = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
-    add_prefilled(decode_engine, prefill(prefill_engine, "a", None, prompt, params, "hidden"))
-    req = decode_engine.requests["a"]
-    assert req.mtp_prefix_hidden is not None
-    done = {o.request_id: o.outputs[0].token_ids for o in decode_engine.step() if o.finished}
-    assert req.mtp_prefix_hidden is None
-    done.update(run_to_end(decode_engine))
-    assert done == run_to_end(single)
+    drafts, hidden = (prefill(prefill_engine, name, None, prompt, params, scheme)
+                      for name, scheme in (("a", "drafts"), ("b", "hidden")))
+    assert hidden.kv[-1].shape[0] == drafts.kv[-1].shape[0] - 1
+    decode_engine = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True, enable_prefix_caching=True,
+                                          block_size=4)
+    add_prefilled(decode_engine, hidden)
+    req = decode_engine.requests["b"]
+    last = decode_engine.block_manager.slot(req, len(prompt) - 1)
+    mtp_cache = decode_engine.runner.mtp_caches[0]
+    torch.testing.assert_close(mtp_cache.view(-1, mtp_cache.shape[-1])[last], drafts.kv[-1][-1])
+    assert req.draft_token_ids == [] and req.num_computed_tokens == len(prompt)
+    decode_engine.step()
+    assert len(req.block_hashes) == (len(prompt) + 1 - decode_engine.block_manager.lookahead) // 4
+    single = LLMEngine.from_kwargs(ckpt, spec, enforce_eager=True)
+    single.add_request("b", None, prompt, params)
+    assert run_to_end(decode_engine) == run_to_end(single)
 
 
 def count_first_steps(engine):
@@ -126,7 +132,7 @@ def count_first_steps(engine):
     execute = runner.execute
 
     def counting(scheduled):
-        first = [s for s in scheduled if s.req.mtp_prefix_hidden is not None]
+        first = [s for s in scheduled if s.start == len(s.req.prompt_token_ids)]
         assert all(not s.draft_token_ids for s in first)
         counts[0] += bool(first)
         return execute(scheduled)

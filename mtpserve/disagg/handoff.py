@@ -6,9 +6,9 @@ decode side's first step verifies them like any other.
 
 Scheme 2 ("hidden"): the prefill side ships the main KV, the MTP KV of every position but the last (whose MTP
 input, the first token, was only known after the prefill) and the main model's hidden state there. The decode
-side's first step for the request is an ordinary step without drafts (padded to 1+k tokens like any decode row
-with fewer drafts than the others, runner/model_runner.py) and its MTP pass starts one position early, fed that
-hidden state.
+side runs that last MTP pass as it takes the request in (KV only, fed the hidden state), so that the request is
+then one like any other whose prompt was computed here, without drafts: its first step is an ordinary step
+(padded to 1+k tokens like any decode row with fewer drafts than the others, runner/model_runner.py).
 
 A seeded request needs no RNG state: its draws are keyed on its seed and token positions (sampling/sampler.py),
 so the decode side continues its random stream from the seed alone.
@@ -20,6 +20,7 @@ import torch
 from mtpserve.engine.outputs import detokenize_incrementally
 from mtpserve.request import Request
 from mtpserve.sampling_params import SamplingParams
+from mtpserve.step import ScheduledRequest
 
 SCHEMES = ("drafts", "hidden")
 
@@ -65,7 +66,7 @@ def export_handoff(engine, req: Request, scheme: str = "drafts") -> Handoff:
         raise ValueError(f"mtp_handoff = {scheme!r}: must be one of {SCHEMES}")
     if scheme == "hidden" and req.last_hidden is None:
         raise ValueError("mtp_handoff = 'hidden': the prefill engine kept no hidden state (add the request "
-                         "with hold_kv=True)")
+                         "with hold_kv=True, and export it at its first token)")
     computed = req.num_computed_tokens
     slots = torch.tensor([engine.block_manager.slot(req, p) for p in range(computed)], dtype=torch.long)
     num_main = engine.model_config.num_hidden_layers
@@ -110,12 +111,22 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     slots = torch.tensor([engine.block_manager.slot(req, p) for p in range(computed)], dtype=torch.long)
     for cache, kv in zip(engine.runner.kv_caches, h.kv):
         cache.view(-1, cache.shape[-1])[slots[:kv.shape[0]].to(cache.device)] = kv.to(cache.device, cache.dtype)
+    if h.last_hidden is not None and engine.runner.mtp_caches:
+        run_last_mtp_pass(engine, req, computed, h.last_hidden, h.output_token_ids[0])
     for token in h.output_token_ids:
         req.output_token_ids.append(token)
         if engine.tokenizer is not None:
             detokenize_incrementally(engine.tokenizer, req)
     req.num_computed_tokens = computed
     req.draft_token_ids, req.draft_probs = list(h.draft_token_ids), h.draft_probs
-    if h.last_hidden is not None:
-        req.mtp_prefix_hidden = h.last_hidden.to(engine.device)
+
+
+def run_last_mtp_pass(engine, req: Request, computed: int, hidden: torch.Tensor, first_token: int) -> None:
+    """Scheme 2: the MTP pass at the last prompt position that the prefill side left, as the step that computed
+    that position and sampled the first token would have run it, drafting none (KV only). Prompt [t0 .. t4],
+    first token t5: the step ScheduledRequest(req, start=4, num_new_tokens=1, []) emitted [t5]; MTP row [t5] at
+    4, fed the shipped hidden state at 4. (Before the first token is appended, so that the step samples.)"""
+    step = ScheduledRequest(req, computed - 1, 1, [])
+    with torch.inference_mode():
+        engine.runner.proposer.propose([step], hidden.to(engine.device, engine.dtype)[None], [0, 1], [[first_token]])
 

@@ -218,7 +218,6 @@ class LLMEngine:
         req.draft_token_ids = r.next_drafts or []
         req.draft_probs = r.next_draft_probs
         req.last_hidden = r.last_hidden       # (prefill side, its first token: what scheme 2 hands over)
-        req.mtp_prefix_hidden = None          # (decode side: its first step ran the MTP pass it was owed)
         if req.is_finished:
             req.metrics.finished_time = now
         return num_appended

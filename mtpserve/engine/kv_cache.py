@@ -115,8 +115,7 @@ class BlockManager:
         if not self.enable_caching:
             return
         b = self.block_size
-        computed = req.num_computed_tokens - (req.mtp_prefix_hidden is not None)   # (a hand-over's MTP KV owed)
-        full = min(computed, req.num_tokens - self.lookahead, len(req.block_ids) * b) // b
+        full = min(req.num_computed_tokens, req.num_tokens - self.lookahead, len(req.block_ids) * b) // b
         tokens = req.all_token_ids if full > len(req.block_hashes) else []
         for i in range(len(req.block_hashes), full):
             h = self._hash(req.block_hashes[-1] if req.block_hashes else None, tokens, i, req.params.cache_salt)

@@ -110,7 +110,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.draft_token_ids, req.draft_probs = [], None
-        req.mtp_prefix_hidden = None   # (recomputed from scratch)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -164,8 +164,8 @@ class ModelRunner:
         return 1 + max(counts)
 
     def _sample(self, idx, scheduled, hidden, offsets) -> dict:
-        """Samples one token for scheduled[i], i in idx -> {i: StepResult([token]), with its hidden state for a
-        request that holds its KV (a prefill server may ship it, disagg scheme 2)}."""
+        """Samples one token for scheduled[i], i in idx -> {i: StepResult([token]), with the hidden state it was
+        sampled from for a request that holds its KV (a prefill server ships it, disagg scheme 2)}."""
         if not idx:
             return {}
         reqs = [scheduled[i].req for i in idx]

@@ -182,7 +182,7 @@ def fused_graph(runner, scheduled) -> Pass | None:
     """The fused step this step can run as (its graph, or eagerly: ModelRunner._fused_step): FUSED when every
     request is greedy without penalties, FUSED_SAMPLED when some sample or penalize; None when some request is
     not decoding k drafts into k drafts (one pending token plus k drafts verified, k drafted next; adaptive k = 0
-    has a graph of its own; a step changing k runs the graphs apart), is handed over or held for a hand-off, or
+    has a graph of its own; a step changing k runs the graphs apart), or
     would write past its block table (2k positions past the pending token)."""
     if not scheduled or not runner.fuses:
         return None
@@ -194,8 +194,7 @@ def fused_graph(runner, scheduled) -> Pass | None:
 
 
 def _decodes(s, k: int) -> bool:
-    """Request s runs a decode step a fused graph can take: its pending token and k drafts, neither handed
-    over nor held for a hand-off, nor processing its logits on the host (processors but the penalties: the
-    separate path; logprobs are read from the hidden states the step returns)."""
-    return (s.decodes(k) and not s.req.hold_kv
-            and s.req.mtp_prefix_hidden is None and not s.req.params.processes_on_host)
+    """Request s runs a decode step a fused graph can take: its pending token and k drafts, not processing its
+    logits on the host (processors but the penalties: the separate path; logprobs are read from the hidden
+    states the step returns)."""
+    return s.decodes(k) and not s.req.params.processes_on_host

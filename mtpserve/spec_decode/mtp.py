@@ -104,31 +104,21 @@ class MTPProposer:
         verified = len(scheduled[0].draft_token_ids) if scheduled else 0
         static = self.static_shapes and all(s.decodes(verified) for s in scheduled)
         # One row per request, the same for every own layer: its positions whose next token is now known, from
-        # the step's first (a hand-over, disagg scheme 2: from the prompt's last, fed the hidden state it came
-        # with, appended after this step's in `source`). sources: the main hidden state fed at each row token;
-        # last: where each request's accepted position lands in the flat layout.
+        # the step's first. sources: the main hidden state fed at each row token; last: where each request's
+        # accepted position lands in the flat layout.
         # Request "a" at 5, pending t5, drafts [d6, d7], d6 accepted, e7 emitted: row tokens [d6, e7] at 5, 6.
-        source, rows, sources, last = [hidden], [], [], []
-        num_source = len(hidden)
+        rows, sources, last = [], [], []
         for i, s in enumerate(scheduled):
             accepted = len(new_tokens[i]) - 1 if s.samples else 0
             own = s.num_new_tokens + accepted   # positions s.start.. whose next token is now known
-            tokens = s.req.all_token_ids + new_tokens[i]
-            prefix = s.req.mtp_prefix_hidden if s.samples else None
-            first = s.start - (prefix is not None)
-            row_tokens = tokens[first + 1:s.start + own + 1]
+            row_tokens = (s.req.all_token_ids + new_tokens[i])[s.start + 1:s.start + own + 1]
             if static:   # vllm-ascend's static shapes: 1+k tokens (their KV written), run at the accepted index
-                row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - own - (s.start - first))
-            row_sources = list(range(offsets[i], offsets[i] + len(row_tokens) - (s.start - first)))
-            if prefix is not None:
-                source.append(prefix.unsqueeze(0).to(hidden.dtype))
-                row_sources = [num_source] + row_sources
-                num_source += 1
-            last.append(len(sources) + s.start + own - 1 - first)
-            rows.append(Row(row_tokens, first, s.req.block_ids))
-            sources.extend(row_sources)
-        main = (torch.cat(source) if len(source) > 1 else hidden)[sources]
-        whole_chain = len(source) > 1 or any(not s.samples or s.num_new_tokens > 1 for s in scheduled)
+                row_tokens = row_tokens + [row_tokens[-1]] * (1 + verified - own)
+            last.append(len(sources) + own - 1)
+            rows.append(Row(row_tokens, s.start, s.req.block_ids))
+            sources.extend(range(offsets[i], offsets[i] + len(row_tokens)))
+        main = hidden[sources]
+        whole_chain = any(not s.samples or s.num_new_tokens > 1 for s in scheduled)
         chained = self._chain_depth() > 1   # (graph mode: the own layers' graphs compute every output)
         drafting = [i for i, s in enumerate(scheduled) if s.samples] if k else []
         reqs = [scheduled[i].req for i in drafting]
