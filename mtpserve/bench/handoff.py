@@ -1,7 +1,7 @@
-"""`mtpserve bench handoff`: a decode server's first step for requests handed over without drafts (scheme 2:
-one token each, then the MTP pass from the last prompt position) against scheme 1's first step (real drafts,
-the fused 1+k step). In-process engines on the same weights (the transfer itself is timed by
-scripts/bench_disagg.sh)."""
+"""`mtpserve bench handoff`: a decode engine taking requests in and running their first step, scheme 2 (the
+import runs the MTP pass at the last prompt position; a first step of one token each, no drafts) against
+scheme 1 (the import copies KV only; a first step verifying real drafts, the fused 1+k step). In-process engines
+on the same weights (the transfer itself is timed by scripts/bench_disagg.sh)."""
 import time
 
 from mtpserve.bench import common
@@ -30,24 +30,29 @@ def run_handoff(path: str, k: int, batch: int, input_len: int, num_iters: int, d
         return run_graph(*args, **kwargs)
     graphs.run = counting
     times = {name: [] for name in cases}
+    import_times = {name: [] for name in cases}
     graph_calls = {}
     for it in range(num_iters + 1):   # the first round warms up
         for name, scheme in cases.items():   # interleaved
             ids = [f"{it}-{scheme}-{i}" for i in range(batch)]
+            start = time.perf_counter()
             for rid, h in zip(ids, handoffs[scheme]):
                 import_handoff(decode, h, rid, params)
+            imported = time.perf_counter()
             graph_runs[0] = 0
-            start = time.perf_counter()
             decode.step()
             if it:
-                times[name].append(time.perf_counter() - start)
+                import_times[name].append(imported - start)
+                times[name].append(time.perf_counter() - imported)
             graph_calls[name] = graph_runs[0]
             for rid in ids:
                 decode.abort_request(rid)
     return dict(k=k, batch_size=batch, input_len=input_len,
-                steps={name: dict(ms=common.summarize(times[name]), graph_calls=graph_calls[name]) for name in cases})
+                steps={name: dict(ms=common.summarize(times[name]), import_ms=common.summarize(import_times[name]),
+                                  graph_calls=graph_calls[name]) for name in cases})
 
 
 def print_handoff(res: dict) -> None:
     for name, s in res["steps"].items():
-        print(f"{name}: {s['ms']['median']:.2f} ms (median), {s['graph_calls']} graph calls")
+        print(f"{name}: imports {s['import_ms']['median']:.2f} ms, first step {s['ms']['median']:.2f} ms (medians), "
+              f"{s['graph_calls']} graph calls")

@@ -134,10 +134,13 @@ def other_table(rec: dict) -> list[str]:
                         f"{[round(x, 3) for x in sd['acceptance_per_position']]}."]
     elif rec["benchmark"] == "handoff":
         out += [f"Decode engine in graph mode, MTP k={r['k']}, {r['batch_size']} requests of {r['input_len']} prompt "
-                "tokens handed over at once; their first decode step:", "",
-                "| first step | median ms | p99 ms | graph calls |", "|---|---|---|---|"]
+                "tokens handed over at once; importing them (KV copies; scheme 2: the last MTP pass too), then their "
+                "first decode step:", "",
+                "| hand-off | import median ms | first step median ms | first step p99 ms | graph calls |",
+                "|---|---|---|---|---|"]
         for name, s in r["steps"].items():
-            out.append(f"| {name} | {_f(s['ms']['median'])} | {_f(s['ms']['p99'])} | {s['graph_calls']} |")
+            imports = _f(s["import_ms"]["median"]) if "import_ms" in s else "-"
+            out.append(f"| {name} | {imports} | {_f(s['ms']['median'])} | {_f(s['ms']['p99'])} | {s['graph_calls']} |")
     return out
 
 
