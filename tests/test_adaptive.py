@@ -254,6 +254,7 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     engine's idle work times the same steps as graphs, leaving the counters a server reports as they were. Greedy
     tokens equal no speculation's before, during and after."""
     import threading
+    from mtpserve.executor.compile_process import CompileProcess
     from mtpserve.runner.graphs import GraphRunner
     from mtpserve.spec_decode import calibration
     path = random_checkpoint(tmp_path, num_nextn_predict_layers=1, num_hidden_layers=2)
@@ -262,9 +263,11 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     want = [o.outputs[0].token_ids for o in LLM(path, enforce_eager=True).generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
     start_building, build = threading.Event(), GraphRunner._build   # (a warm inductor cache builds in seconds)
-    built = []
+    built, compiled, compile_cold = [], [], CompileProcess.__call__
     monkeypatch.setattr(GraphRunner, "_build",
                         lambda runner, *key: start_building.wait() and (built.append(key) or build(runner, *key)))
+    monkeypatch.setattr(CompileProcess, "__call__",
+                        lambda process, key: compiled.append(key) or compile_cold(process, key))
     after_timing, calibrate = [], calibration.calibrate   # (the compiler thread, started only after the timing)
 
     def timing(engine, policy):
@@ -283,8 +286,9 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False)] == want
     graphs.drain()
-    # the timing's graphs built in compile_order (runner/background.py): fused steps, then the passes apart
-    fused_first = [which.kind == "fused" for which, _, _ in built[:after_timing[0][1]]]
+    # the timing's graphs compiled in compile_order (runner/background.py): fused steps, then the passes apart
+    # (each is loaded once compiled and once a step reached its batch size: that order depends on timing)
+    fused_first = [which.kind == "fused" for which, _, _ in compiled[:after_timing[0][1]]]
     assert fused_first[0] and not fused_first[-1] and fused_first == sorted(fused_first, reverse=True)
     runs, run_fused = [], graphs.run_fused
     graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
