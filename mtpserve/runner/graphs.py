@@ -70,7 +70,9 @@ class GraphRunner:
         self._compile = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True, options={   # (a dict each:
             "guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False,   # compile pops)
             "triton.cudagraphs": self.cuda_graphs,   # ("reduce-overhead": torch.compile takes a mode or options)
-            "cpp_wrapper": not self.cuda_graphs})   # CPU: the graph's ~100 calls a step made from C++ (history.md)
+            # CPU, one process: the graph's calls made from C++ (history.md); a rank's graphs hold collectives,
+            # whose process-group argument inductor's C++ wrapper cannot pass
+            "cpp_wrapper": not self.cuda_graphs and not torch.distributed.is_initialized()})
 
     def padded_size(self, num_rows: int) -> int | None:
         """The rows a step of num_rows runs as (None: more than the largest graph takes)."""
