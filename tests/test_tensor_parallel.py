@@ -144,6 +144,27 @@ def test_killed_worker_fails_requests_within_seconds(ckpt):
         llm.engine.shutdown()
 
 
+def test_a_failed_start_up_leaves_no_process_group_behind(ckpt, monkeypatch):
+    """Rank 0 fails after the ranks joined: the front stops its worker and leaves the process group, so that
+    the next tensor-parallel engine of this process starts and runs."""
+    from mtpserve.runner.model_runner import ModelRunner
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("warm-up failed here")
+    with monkeypatch.context() as patched:
+        patched.setattr(ModelRunner, "warm_up_graphs", failing)
+        with pytest.raises(WorkerFailedError, match="warm-up failed here"):
+            tensor_parallel(ckpt, enforce_eager=True)
+    assert not torch.distributed.is_initialized()
+    llm = tensor_parallel(ckpt, enforce_eager=True)
+    try:
+        out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_worker_that_fails_reports_why_then_exits(tmp_path):
     """What the front names when a worker raises: the worker's own report (here its checkpoint is gone)."""
     import torch.multiprocessing as mp

@@ -11,6 +11,7 @@ import atexit
 import logging
 import queue
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mtpserve.distributed.launch import end_processes, free_port, leave
@@ -45,10 +46,13 @@ class MultiProcExecutor:
                 p.start()
                 self.workers.append((rank, p))
         atexit.register(self.shutdown)
+        joins = not dist.is_initialized()   # (else joining refuses: another engine of this process runs)
         try:
             built = build_rank(setup, 0)
         except Exception as e:
             self._fail(e)
+            if joins:
+                leave()   # the group this start-up joined: the next engine of this process can start
             raise WorkerFailedError(f"start-up failed: {self.failure}") from e
         self.runner, self.num_blocks, self.control, self.rank_stats = (built.runner, built.num_blocks, built.control,
                                                                         built.rank_stats)
