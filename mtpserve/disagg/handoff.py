@@ -112,7 +112,7 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     for cache, kv in zip(engine.runner.kv_caches, h.kv):
         cache.view(-1, cache.shape[-1])[slots[:kv.shape[0]].to(cache.device)] = kv.to(cache.device, cache.dtype)
     if h.last_hidden is not None and engine.runner.mtp_caches:
-        run_last_mtp_pass(engine, req, computed, h.last_hidden, h.output_token_ids[0])
+        run_last_mtp_pass(engine, req, h.last_hidden, h.output_token_ids[0])
     for token in h.output_token_ids:
         req.output_token_ids.append(token)
         if engine.tokenizer is not None:
@@ -121,12 +121,12 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
     req.draft_token_ids, req.draft_probs = list(h.draft_token_ids), h.draft_probs
 
 
-def run_last_mtp_pass(engine, req: Request, computed: int, hidden: torch.Tensor, first_token: int) -> None:
+def run_last_mtp_pass(engine, req: Request, hidden: torch.Tensor, first_token: int) -> None:
     """Scheme 2: the MTP pass at the last prompt position that the prefill side left, as the step that computed
     that position and sampled the first token would have run it, drafting none (KV only). Prompt [t0 .. t4],
     first token t5: the step ScheduledRequest(req, start=4, num_new_tokens=1, []) emitted [t5]; MTP row [t5] at
     4, fed the shipped hidden state at 4. (Before the first token is appended, so that the step samples.)"""
-    step = ScheduledRequest(req, computed - 1, 1, [])
+    step = ScheduledRequest(req, req.num_tokens - 1, 1, [])
     with torch.inference_mode():
         engine.runner.proposer.propose([step], hidden.to(engine.device, engine.dtype)[None], [0, 1], [[first_token]])
 
