@@ -168,10 +168,9 @@ def _roofline(recs, plot_dir, page_dir) -> list[str]:
     out = []
     for _, rec in recs:
         out += roofline.table(rec["results"]) + [""]
-    return out + ["Bytes: the weights a step multiplies (bench/roofline.py, step_weight_params: a MoE layer's routed "
-                  "experts for the step's tokens counted at most, the MTP passes with the head each) and the KV it "
-                  "reads; the floor is those bytes at the best read bandwidth measured (a buffer that fits the CPU's "
-                  "cache; the weights of a step may not all stay there, so the floor is optimistic)."]
+    return out + ["Bytes: the weights a step multiplies (bench/roofline.py, step_weight_params: routed experts "
+                  "counted at most, the MTP passes with the head each) and the KV it reads; the floor is those bytes "
+                  "at the best read bandwidth measured (optimistic: a step's weights may not all stay in the cache)."]
 
 
 def _peers_llamacpp(recs, plot_dir, page_dir) -> list[str]:
