@@ -356,13 +356,14 @@ def test_linear_equals_f_linear(rows):
 
 
 def test_small_bmm_equals_bmm_compiled_and_eager():
-    """attention.small_bmm is a fused reduction for small products in a CPU graph, torch.bmm otherwise."""
+    """attention.small_bmm is a fused reduction for small bf16 products in a CPU graph, torch.bmm otherwise."""
     from mtpserve.model.attention import small_bmm
     gen = torch.Generator().manual_seed(0)
     compiled = torch.compile(small_bmm, dynamic=False, fullgraph=True)
-    for batch, rows in ((1, 16), (8, 2), (16, 8)):   # the last is over SMALL_BMM_ROWS: an extern bmm
-        a = torch.randn(batch, rows, 24, generator=gen)
-        b = torch.randn(batch, 40, 24, generator=gen).transpose(1, 2)   # a strided right side, like keys.T
-        for fn in (small_bmm, compiled):
-            with torch._dynamo.config.patch(recompile_limit=64):
-                torch.testing.assert_close(fn(a, b), torch.bmm(a, b))
+    for dtype, tol in ((torch.float32, {}), (torch.bfloat16, dict(rtol=1.6e-2, atol=2e-2))):
+        for batch, rows in ((1, 16), (8, 2), (16, 8)):   # the last is over SMALL_BMM_ROWS: an extern bmm
+            a = torch.randn(batch, rows, 24, generator=gen).to(dtype)
+            b = torch.randn(batch, 40, 24, generator=gen).to(dtype).transpose(1, 2)   # strided, like keys.T
+            for fn in (small_bmm, compiled):
+                with torch._dynamo.config.patch(recompile_limit=64):
+                    torch.testing.assert_close(fn(a, b), torch.bmm(a, b), **tol)

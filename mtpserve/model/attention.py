@@ -109,11 +109,11 @@ SMALL_BMM_ROWS = 64   # up to this many rows in all (batch x rows), a CPU graph'
 
 
 def small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm, except for a small product in a CPU graph (a verify step's attention at small batch): a
-    broadcast product summed over the shared dimension, which inductor fuses with its neighbours into one
-    kernel (the A/B is in docs/history.md)."""
+    """torch.bmm, except for a small bf16/fp16 product in a CPU graph (a verify step's attention at small batch):
+    a broadcast product summed over the shared dimension, which inductor fuses with its neighbours into one
+    kernel. fp32 products go to MKL, as fp32 linears do (the A/Bs are in docs/history.md)."""
     # (statically_known_true: a graph with a dynamic batch takes bmm unless every batch it serves is small)
-    if (torch.compiler.is_compiling() and a.device.type == "cpu"
+    if (torch.compiler.is_compiling() and a.device.type == "cpu" and a.dtype != torch.float32
             and statically_known_true(a.shape[0] * a.shape[1] <= SMALL_BMM_ROWS)):
         return (a.unsqueeze(-1) * b.unsqueeze(1)).sum(2)
     return torch.bmm(a, b)
