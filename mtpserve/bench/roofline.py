@@ -35,6 +35,11 @@ def measure_bandwidth(sizes_mb: tuple = BUFFER_MB, repeats: int = 7) -> dict:
     return dict(read_gb_per_s_by_mb=by_size, read_gb_per_s=max(by_size.values()))
 
 
+def by_size(bw: dict) -> str:
+    """measure_bandwidth's figures as text: '29.8 GB/s at 4 MB, ..., 16.6 GB/s at 1024 MB'."""
+    return ", ".join(f"{v:.1f} GB/s at {mb} MB" for mb, v in bw["read_gb_per_s_by_mb"].items())
+
+
 def step_weight_params(cfg, k: int) -> int:
     """Weights a batch-1 decode step reads: the main model over 1+k tokens (a MoE layer's routed experts for
     1+k tokens counted as min(n_routed, (1+k) * top_k), an upper bound), the head once, and with k drafts the
@@ -78,8 +83,7 @@ def run_roofline(model_path: str | None, input_len: int, output_len: int, num_it
             if took > max_create_s:
                 notes.append(f"creation took over {max_create_s:.0f}s")
     bw = measure_bandwidth()
-    log(f"  read bandwidth: {bw['read_gb_per_s']:.1f} GB/s at best ("
-        + ", ".join(f"{v:.1f} at {mb} MB" for mb, v in bw["read_gb_per_s_by_mb"].items()) + ")")
+    log(f"  read bandwidth: {bw['read_gb_per_s']:.1f} GB/s at best ({by_size(bw)})")
     extra = {"quantization": quantization} if quantization else {}
     engines = {f"k={k}": latency.build_engine(model_path, latency.spec_dict(k, "mqa", None, None), 1,
                                               input_len + output_len, enforce_eager, dtype, **extra) for k in ks}
@@ -95,7 +99,8 @@ def run_roofline(model_path: str | None, input_len: int, output_len: int, num_it
         rows.append(dict(k=k, bytes_per_step=nbytes, bandwidth_floor_step_ms=floor_s * 1e3,
                          measured_step_ms_median=step_s * 1e3, fraction_of_roofline=floor_s / step_s,
                          tokens_per_step=agg["mean_acceptance_length"]))
-        log(f"  k={k}: floor {floor_s * 1e3:.2f} ms/step, measured {step_s * 1e3:.2f} ms/step ({100 * floor_s / step_s:.0f}% of the bandwidth roofline)")
+        log(f"  k={k}: floor {floor_s * 1e3:.2f} ms/step, measured {step_s * 1e3:.2f} ms/step "
+            f"({100 * floor_s / step_s:.0f}% of the bandwidth roofline)")
         eng.shutdown()
     return dict(model=common.model_info(model_path), dtype=str(first.dtype).removeprefix("torch."),
                 quantization=quantization, mode="eager" if enforce_eager else "graph",
@@ -103,11 +108,9 @@ def run_roofline(model_path: str | None, input_len: int, output_len: int, num_it
 
 
 def table(res: dict) -> list[str]:
-    by_mb = res["bandwidth"]["read_gb_per_s_by_mb"]
     lines = [f"Batch 1, {res['mode']}, {res['quantization'] or res['dtype']} weights. Read bandwidth, the best of 7 "
-             "sums over one buffer read again and again: " + ", ".join(f"{v:.1f} GB/s at {mb} MB"
-                                                                          for mb, v in by_mb.items())
-             + f"; the floor takes the best, {res['bandwidth']['read_gb_per_s']:.1f} GB/s.", "",
+             f"sums over one buffer read again and again: {by_size(res['bandwidth'])}; the floor takes the best, "
+             f"{res['bandwidth']['read_gb_per_s']:.1f} GB/s.", "",
              "| k | MB read per step (weights + KV) | floor ms | measured ms (median step) "
              "| share of the floor reached | tokens per step |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
