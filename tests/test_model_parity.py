@@ -367,3 +367,19 @@ def test_small_bmm_equals_bmm_compiled_and_eager():
             for fn in (small_bmm, compiled):
                 with torch._dynamo.config.patch(recompile_limit=64):
                     torch.testing.assert_close(fn(a, b), torch.bmm(a, b), **tol)
+
+
+def test_gather_cache_blocks_is_called_as_aten_from_a_cpp_graph():
+    """An op declared as_aten (ops.py) lowers, once registered, to the ATen call itself: the C++ wrapper calls
+    aten::index_select through the dispatcher, not the op's Python kernel; the result is kv_cache[blocks]."""
+    from torch._inductor.utils import run_and_get_code
+    from mtpserve.model.attention import gather_cache_blocks
+    from mtpserve.model.ops import register_graph_lowerings
+    register_graph_lowerings()
+    cache = torch.randn(9, 4, 6)
+    blocks = torch.tensor([3, 0, 8, 3])
+    compiled = torch.compile(lambda c, b: gather_cache_blocks(c, b) * 2, dynamic=False, fullgraph=True,
+                             options={"cpp_wrapper": True, "fx_graph_cache": False})
+    out, (code, *_) = run_and_get_code(compiled, cache, blocks)
+    torch.testing.assert_close(out, cache[blocks] * 2)
+    assert 'call_dispatcher("aten::index_select"' in code and 'call_dispatcher("mtpserve::' not in code

@@ -98,7 +98,8 @@ def cached_keys(kv_cache: torch.Tensor, meta: "AttentionMetadata", dtype: torch.
 
 
 @opaque_op("gather_cache_blocks(Tensor kv_cache, Tensor blocks) -> Tensor",
-           lambda kv_cache, blocks: kv_cache.new_empty((blocks.shape[0], *kv_cache.shape[1:])))
+           lambda kv_cache, blocks: kv_cache.new_empty((blocks.shape[0], *kv_cache.shape[1:])),
+           as_aten=(torch.ops.aten.index_select.default, lambda kv_cache, blocks: (kv_cache, 0, blocks)))
 def gather_cache_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """kv_cache[blocks] as one opaque op in graphs: ATen copies whole blocks, where inductor's generated
     gather indexes element by element (and may gather again for each consumer of the keys)."""

@@ -32,6 +32,7 @@ import torch._dynamo
 
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.model.layers import FEW_ROWS
+from mtpserve.model.ops import register_graph_lowerings
 from mtpserve.runner.background import MANY, compile_order
 from mtpserve.runner.graph_inputs import StaticInputs, sampling_buffers
 from mtpserve.step import Pass, Row, fused_kv_reach
@@ -64,6 +65,7 @@ class GraphRunner:
         self.held = False
         self.compile_elsewhere = None   # background: where graphs compile cold first (executor/compile_process.py)
         self.cuda_graphs = torch.device(device).type == "cuda"
+        register_graph_lowerings()
         if self.cuda_graphs:   # a CUDA graph writes an input only at a fixed address (else inductor skips it)
             for cache in main_caches + mtp_caches:
                 torch._dynamo.mark_static_address(cache)
