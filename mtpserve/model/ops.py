@@ -25,13 +25,24 @@ def opaque_op(schema: str, fake, as_aten=None):
     return register
 
 
-def register_graph_lowerings() -> None:
+def register_graph_lowerings():
     """Before graphs compile: each op declared as_aten lowers to its ATen call (inductor's fallback kernel),
     which the C++ wrapper calls through the dispatcher with no Python in between (inductor warns that such ATen
-    ops have no C shim of their own: expected here, so those warnings are dropped)."""
+    ops have no C shim of their own: expected here, so those warnings are dropped). Returns a graph pass that
+    changes nothing, for inductor's post_grad_custom_post_pass: its uuid puts these lowerings in inductor's
+    cache key (a graph cached without them would call the Python kernels)."""
     from torch._inductor import lowering
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class LoweringsKey(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "mtpserve as_aten: " + ", ".join(f"{op} -> {aten_op}" for op, aten_op, _ in _as_aten)
+
     if all(op in lowering.lowerings for op, _, _ in _as_aten):
-        return
+        return LoweringsKey()
     aten_ops = {aten_op for _, aten_op, _ in _as_aten}
     logging.getLogger("torch._inductor.ir").addFilter(
         lambda record: not (record.args and record.args[0] in aten_ops and "c-shim" in record.msg))
@@ -39,3 +50,4 @@ def register_graph_lowerings() -> None:
         call = lowering.fallback_handler(aten_op, add_to_fallback_set=False)
         lowering.register_lowering(op, type_promotion_kind=None)(
             lambda *args, call=call, aten_args=aten_args: call(*aten_args(*args)))
+    return LoweringsKey()

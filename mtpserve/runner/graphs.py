@@ -65,13 +65,14 @@ class GraphRunner:
         self.held = False
         self.compile_elsewhere = None   # background: where graphs compile cold first (executor/compile_process.py)
         self.cuda_graphs = torch.device(device).type == "cuda"
-        register_graph_lowerings()
+        lowerings_key = register_graph_lowerings()
         if self.cuda_graphs:   # a CUDA graph writes an input only at a fixed address (else inductor skips it)
             for cache in main_caches + mtp_caches:
                 torch._dynamo.mark_static_address(cache)
         self._compile = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True, options={   # (a dict each:
             "guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False,   # compile pops)
             "triton.cudagraphs": self.cuda_graphs,   # ("reduce-overhead": torch.compile takes a mode or options)
+            "post_grad_custom_post_pass": lowerings_key,
             # CPU, one process: the graph's calls made from C++ (history.md); a rank's graphs hold collectives,
             # whose process-group argument inductor's C++ wrapper cannot pass
             "cpp_wrapper": not self.cuda_graphs and not torch.distributed.is_initialized()})
