@@ -21,7 +21,7 @@ def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
 
 
 class ModelRunner:
-    fuses_steps = True   # MTP decode steps run as one function (spec_decode/fused.py); not under DP (dp_runner.py)
+    fuses_steps = True   # decode steps run as one function (spec_decode/fused.py); not under DP (dp_runner.py)
 
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
@@ -46,11 +46,12 @@ class ModelRunner:
         # one verify path for every drafter: only the proposer differs
         self.proposer = make_proposer(spec, model, self.forward, self.generator, device, self.graphs is not None)
         self.verifier = Verifier(spec, model, self.generator, device)
-        # MTP decode steps (k drafts verified, k drafted) run as one function (spec_decode/fused.py), in one
-        # process: its graph when built (graph mode), for each k a step can verify and draft; else eagerly
-        fuses = (self.fuses_steps and self.proposer is not None and self.proposer.fuses_with_verification
-                 and spec.fused_graph_step and spec.synthetic_acceptance is None and spec.scorer == "mqa")
-        self.fuses = fuses
+        # Decode steps run as one function (spec_decode/fused.py), in one process: its graph when built (graph
+        # mode), else eagerly. With MTP for each k a step can verify and draft; without speculation k = 0 (the
+        # target pass, the LM head and the sample in one graph).
+        self.fuses = self.fuses_steps and (spec is None or (
+            self.proposer is not None and self.proposer.fuses_with_verification and spec.fused_graph_step
+            and spec.synthetic_acceptance is None and spec.scorer == "mqa"))
         self.max_positions = -(-max_span // block_size) * block_size   # (the block table's reach)
         self.fused_eagerly: dict = {}   # (Pass, q) -> the fused step function, run eagerly (no graph for it yet)
 

@@ -1,6 +1,7 @@
-"""The fused decode step (MTP): verify, accept and draft in one function over tensors, one host sync at the end;
-eager mode calls it (ModelRunner._fused_eagerly), graph mode compiles it (runner/graphs.py). Greedy, one own MTP
-layer, request at 5 with pending t5 and drafts [d6, d7] (q = 3, k = 2):
+"""The fused decode step: verify, accept and draft in one function over tensors, one host sync at the end;
+eager mode calls it (ModelRunner._fused_eagerly), graph mode compiles it (runner/graphs.py). Without speculation
+k = 0: the target pass over the pending token and its sample. Greedy, one own MTP layer, request at 5 with
+pending t5 and drafts [d6, d7] (q = 3, k = 2):
 
     main model over [t5 d6 d7] at 5 6 7              -> argmax [d6 e7 x8]          (main KV at 5 6 7)
     accepted: d6 kept, d7 != e7                       -> 1, emitted [d6 e7]
@@ -35,8 +36,9 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, spec, which: Pas
     length 0, slot -1, greedy) compute garbage that the caller drops, and write no KV. The checkpoint's own MTP
     layers draft the first depths, chained, one per MTP cache (spec_decode/mtp.py). static: no host branch on
     values (compiled; eager mode runs it with host branches, sampling/sampler.py)."""
-    device, k_next, sampled, chain_depth = mtp_caches[0].device, q - 1, which.sampled, len(mtp_caches)
-    draft_sampling, verification = spec.draft_sampling, spec.verification
+    device, k_next, sampled, chain_depth = main_caches[0].device, q - 1, which.sampled, len(mtp_caches)
+    # (no speculation: q = 1, no drafts to sample or verify)
+    draft_sampling, verification = (spec.draft_sampling, spec.verification) if spec else ("argmax", "token")
     vocab = model.draft_vocab
     probabilistic = sampled and draft_sampling == "probabilistic"
 
@@ -167,7 +169,7 @@ def sampling_inputs(spec, reqs, drafts: list[list[int]], vocab_size: int, genera
     seeds, positions, greedy = [r.seed for r in reqs], [r.num_tokens for r in reqs], [r.params.greedy for r in reqs]
     noise = draw(seeds, positions, 2 * k + 1, vocab_size, "exponential", TARGET_NOISE, generator, device, greedy)
     inputs = [*sampling_tensors(reqs, None, device), *penalty_inputs(reqs, vocab_size, device), noise]
-    if spec.draft_sampling != "probabilistic" and spec.verification == "token":
+    if spec is None or (spec.draft_sampling != "probabilistic" and spec.verification == "token"):
         return inputs
     uniforms = draw(seeds, positions, k, 1, "uniform", ACCEPT_UNIFORM, generator, device, greedy)[..., 0]
     draft_probs = None
