@@ -38,7 +38,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, spec, which: Pas
     values (compiled; eager mode runs it with host branches, sampling/sampler.py)."""
     device, k_next, sampled, chain_depth = main_caches[0].device, q - 1, which.sampled, len(mtp_caches)
     # (no speculation: q = 1, no drafts to sample or verify)
-    draft_sampling, verification = (spec.draft_sampling, spec.verification) if spec else ("argmax", "token")
+    draft_sampling, verification = (spec.draft_sampling, spec.verification) if spec else ("greedy", "token")
     vocab = model.draft_vocab
     probabilistic = sampled and draft_sampling == "probabilistic"
 
