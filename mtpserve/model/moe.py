@@ -193,8 +193,6 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
                 y = linear(silu_and_mul(linear(x, w13[expert])), w2[:, expert]) * routing[:, expert:expert + 1]
                 out = y if out is None else out + y
         return torch.zeros_like(x) if out is None else out
-    if x.device.type == "cpu" and isinstance(w13, torch.Tensor) and bool((ids < num_experts).all()):
-        return _grouped_experts(x, weights, ids, w13, w2)   # (every choice local: ATen's grouped GEMM on the CPU)
     # Many tokens: each expert on the tokens that chose it, gathered once in expert order (so each expert's
     # rows are a slice), and one scatter-add of the weighted outputs at the end.
     flat_ids = ids.flatten()
@@ -233,9 +231,8 @@ def _chosen_pairs(x, weights, ids, w13, w2) -> torch.Tensor:
 
 def _grouped_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     """Every (token, expert) choice as a row of one grouped GEMM pair (torch._grouped_mm), the rows sorted by
-    expert: no host loop, no host sync. On the CPU only (CUDA's kernel takes bf16 on recent GPUs only): inline
-    in bf16 graphs, and for many tokens with every choice local in `_hit_experts` (eagerly, and in fp32 graphs
-    through the opaque op: inductor's fake kernel takes bf16 only; A/B in docs/history.md)."""
+    expert: no host loop, no host sync. Used in bf16 CPU graphs only (eagerly the loop is as fast; A/B in
+    docs/history.md)."""
     flat = ids.flatten()
     order = flat.argsort(stable=True)
     token_of = order // ids.shape[1]
