@@ -334,8 +334,7 @@ def test_moe_expert_paths_agree(num_tokens, experts):
     assert max_diff(_all_experts(x, weights, ids, w13, w2), ref) < 1e-4
     assert max_diff(_grouped_experts(x, weights, ids, w13, w2), ref) < 1e-4   # some experts get no token
     assert ref.abs().max() > 1.0
-    # an id of `experts` is a choice held by another rank (expert parallelism): skipped, by the loop over the
-    # experts hit (the grouped GEMM takes only local choices)
+    # an id of `experts` is a choice held by another rank (expert parallelism): skipped
     ids[0, 1] = experts
     ref[0] = weights[0, 0] * expert(ids[0, 0], 0)
     assert max_diff(_hit_experts(x, weights, ids, w13, w2), ref) < 1e-4

@@ -41,13 +41,12 @@ def register_graph_lowerings():
         def uuid(self):
             return "mtpserve as_aten: " + ", ".join(f"{op} -> {aten_op}" for op, aten_op, _ in _as_aten)
 
-    if all(op in lowering.lowerings for op, _, _ in _as_aten):
-        return LoweringsKey()
-    aten_ops = {aten_op for _, aten_op, _ in _as_aten}
-    logging.getLogger("torch._inductor.ir").addFilter(
-        lambda record: not (record.args and record.args[0] in aten_ops and "c-shim" in record.msg))
-    for op, aten_op, aten_args in _as_aten:
-        call = lowering.fallback_handler(aten_op, add_to_fallback_set=False)
-        lowering.register_lowering(op, type_promotion_kind=None)(
-            lambda *args, call=call, aten_args=aten_args: call(*aten_args(*args)))
+    if not all(op in lowering.lowerings for op, _, _ in _as_aten):   # (once per process)
+        aten_ops = {aten_op for _, aten_op, _ in _as_aten}
+        logging.getLogger("torch._inductor.ir").addFilter(
+            lambda record: not (record.args and record.args[0] in aten_ops and "c-shim" in record.msg))
+        for op, aten_op, aten_args in _as_aten:
+            call = lowering.fallback_handler(aten_op, add_to_fallback_set=False)
+            lowering.register_lowering(op, type_promotion_kind=None)(
+                lambda *args, call=call, aten_args=aten_args: call(*aten_args(*args)))
     return LoweringsKey()
