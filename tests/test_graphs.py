@@ -109,6 +109,8 @@ def check_graph_mode(ckpt, spec, sizes, overlap=False):
     graphs.drain()   # (graphs built when first needed: each compiled once)
     assert (counters["stats"]["unique_graphs"] - frames_after_warmup == len(graphs.graphs) - built_at_warmup), \
         "recompiled after warm-up"
+    # each CPU graph is called as the plain function dynamo made of its step, not through torch.compile's hook
+    assert not any(hasattr(fn, "_torchdynamo_orig_callable") for fn, _ in graphs.graphs.values())
     bm = graph.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     if spec is not None:

@@ -10,7 +10,7 @@ row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as dyn
 every KV length, and attention reads only the bucket, not all of max_model_len. Inputs are copied into static
 buffers (graph_inputs.py). On CUDA the compiled step is captured as CUDA graphs (inductor's
 cudagraph trees; one per KV bucket, recorded at warm-up; the KV caches it writes are marked static inputs); on the
-CPU it is an inductor-compiled kernel.
+CPU it is an inductor-compiled kernel, called through the code dynamo made without dynamo's per-call hook.
 Anything else (prefill chunks, batches above the largest size) runs eagerly in the same loop.
 
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
@@ -262,14 +262,17 @@ class GraphRunner:
         fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
                                               step.__closure__))
         start = time.perf_counter()
-        # Compile now, and run the warm-up buckets (each one captured on CUDA) with padding rows only: no real
-        # KV is touched.
-        buckets = self.warm_up_buckets()
+        buckets = self.warm_up_buckets()   # compiled now, run with padding rows only (no real KV; captured on CUDA)
         # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
             for bucket in buckets:   # (the many-row graph: compiled at its most rows, then run at its fewest)
                 fn(*buf.compiling_args(bucket, batch, fewest_rows=FEW_ROWS + 1 if rows == MANY else None))
                 fn(*buf.compiling_args(bucket, FEW_ROWS + 1 if rows == MANY else batch))
+        # On the CPU, the code dynamo made of `step` called as a plain function: no dynamo hook on each call (and no
+        # guards: skipped above). (CUDA keeps the hook: this has not run there.)
+        made = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        if not self.cuda_graphs and len(made) == 1:
+            fn = types.FunctionType(made[0].code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
 
