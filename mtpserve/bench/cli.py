@@ -107,6 +107,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--adaptive", action="store_true", help="llamacpp: also adaptive k up to the largest --ks")
     pe.add_argument("--batch-sizes", default="1,8,32", help="llamacpp: decode batch sizes")
     pe.add_argument("--prompt-lens", default="512,2048", help="llamacpp: prompt-processing lengths")
+    pe.add_argument("--draft-vocab-size", type=int, default=0, help="llamacpp: our MTP engines draft over the N most "
+                    "frequent tokens (speculative_config.draft_vocab_size; 0: the whole vocabulary)")
     rf = sub.add_parser("roofline", help="bandwidth floor of a batch-1 step vs the measured step, plain and with "
                                          "k drafts")
     _common(rf, 32, 64)

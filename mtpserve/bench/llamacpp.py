@@ -78,17 +78,19 @@ def our_prompt_speed(engine, prompt_len: int, reps: int) -> float:
 
 def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, batch_sizes: list[int],
                  prompt_lens: list[int], input_len: int, output_len: int, num_iters: int, threads: int,
-                 enforce_eager: bool | None, log=print) -> dict:
-    """Per dtype: llama.cpp, then ours, then llama.cpp again (their figures: the mean of the two runs)."""
+                 enforce_eager: bool | None, draft_vocab: int = 0, log=print) -> dict:
+    """Per dtype: llama.cpp, then ours, then llama.cpp again (their figures: the mean of the two runs). draft_vocab:
+    our MTP engines draft over that many most frequent tokens (0: the whole vocabulary)."""
     from mtpserve.config import ModelConfig
     positions = ModelConfig.from_pretrained(model).max_position_embeddings
     longest = max([n + 1 for n in prompt_lens] + [input_len + output_len])
     max_len = min(longest, positions - max(ks) - 8)   # (build_engine's headroom)
     # a 2,048-token prompt in a model of 2,048 positions: ours gets the longest that leaves room to generate
     our_lens = [min(n, max_len - 1) for n in prompt_lens]
-    specs = {("no_mtp" if k == 0 else f"mtp_k{k}"): spec_dict(k, "mqa", None, None) for k in ks}
+    dv = f"_dv{draft_vocab}" if draft_vocab else ""
+    specs = {("no_mtp" if k == 0 else f"mtp_k{k}{dv}"): spec_dict(k, "mqa", None, None, draft_vocab) for k in ks}
     if adaptive:
-        specs[f"adaptive_k{max(ks)}"] = dict(method="mtp", num_speculative_tokens=max(ks), adaptive=True)
+        specs[f"adaptive_k{max(ks)}{dv}"] = dict(spec_dict(max(ks), "mqa", None, None, draft_vocab), adaptive=True)
     rows = []
     for dtype in dtypes:
         outtype, weights = PAIRS[dtype]
@@ -109,7 +111,8 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
         rows.append(dict(dtype=dtype, gguf_type=outtype if repacked else f"{outtype} (not repacked)", ours=ours,
                          ours_prompt=pp, llamacpp=_mean(theirs)))
     return dict(threads=threads, input_len=input_len, output_len=output_len, batch_sizes=batch_sizes,
-                prompt_lens=prompt_lens, our_prompt_lens=our_lens, num_iters=num_iters, rows=rows)
+                prompt_lens=prompt_lens, our_prompt_lens=our_lens, num_iters=num_iters, draft_vocab_size=draft_vocab,
+                rows=rows)
 
 
 def _theirs(gguf: str, threads: int, prompt_lens: list[int], gen_len: int, batch_sizes: list[int], reps: int,
@@ -160,6 +163,14 @@ def table(res: dict) -> list[str]:
                    for b in bs]
             lines.append(f"| mtpserve {r['dtype']} {name} | " + " | ".join(pp + dec) + " |")
     return lines
+
+
+def notes(res: dict) -> str:
+    """What a table's engines did apart from the defaults, each after a "; "."""
+    cut = [f"; our prompts hold {mine} for {n} tokens, as many as the engine's positions hold with room to generate"
+           for n, mine in zip(res["prompt_lens"], res["our_prompt_lens"]) if mine != n]
+    dv = res.get("draft_vocab_size")
+    return "".join(cut + ([f"; MTP drafts over the {dv} most frequent tokens"] if dv else []))
 
 
 def their_decode(t: dict, batch: int, res: dict) -> float:

@@ -102,7 +102,7 @@ def from_args(args, path: str) -> dict:
             res["llamacpp"] = llamacpp.run_llamacpp(
                 path, common.parse_list(args.dtypes, str), common.parse_list(args.ks), args.adaptive,
                 common.parse_list(args.batch_sizes), common.parse_list(args.prompt_lens), args.input_len,
-                args.output_len, args.num_iters, args.threads or 1, args.enforce_eager)
+                args.output_len, args.num_iters, args.threads or 1, args.enforce_eager, args.draft_vocab_size)
             print("\n".join(llamacpp.table(res["llamacpp"])))
     if "transformers" not in peers:
         return res

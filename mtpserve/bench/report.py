@@ -182,10 +182,8 @@ def _peers_llamacpp(recs, plot_dir, page_dir) -> list[str]:
             out += [f"Skipped: {res['skipped']}.", ""]
             continue
         mode = "eager" if rec["args"].get("enforce_eager") else "graph mode"
-        cut = [f"{mine} for {n}" for n, mine in zip(res["prompt_lens"], res["our_prompt_lens"]) if mine != n]
         out += [f"**{res['threads']} thread{'s' if res['threads'] > 1 else ''}, mtpserve in {mode}** (ratios: ours / "
-                "llama.cpp" + (f"; our prompts hold {', '.join(cut)} tokens, as many as the engine's positions "
-                               "hold with room to generate" if cut else "") + "):", ""] + llamacpp.table(res) + [""]
+                f"llama.cpp{llamacpp.notes(res)}):", ""] + llamacpp.table(res) + [""]
         b = res["batch_sizes"][0]
         groups = {f"{r['dtype']} / {r['gguf_type']}": {"llama.cpp": llamacpp.their_decode(r["llamacpp"], b, res)}
                   | {f"mtpserve {e}": o[str(b)]["tokens_per_s"] for e, o in r["ours"].items()} for r in res["rows"]}
