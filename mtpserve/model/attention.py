@@ -89,6 +89,14 @@ def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor, meta: "Attention
     return torch.index_select(kv_cache, 0, blocks, out=meta.keys_buffer)
 
 
+def write_slots(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """kv [N, D] into cache slots (block * block_size + offset; -1: the padding block's last row), indexing the
+    cache itself, not a flat view of it: a graph writing one cache twice (MTP layer 0 at depths 1 and 3) then updates
+    it in place; through a view, inductor copies the whole cache for the first write."""
+    block_size = kv_cache.shape[1]
+    kv_cache[slots.div(block_size, rounding_mode="floor"), slots.remainder(block_size)] = kv.to(kv_cache.dtype)
+
+
 def cached_keys(kv_cache: torch.Tensor, meta: "AttentionMetadata", dtype: torch.dtype) -> torch.Tensor:
     """Each request's cached latent KV, [B, max_seq_len, r + rope], from its blocks."""
     batch = meta.seq_lens.shape[0]
@@ -193,7 +201,7 @@ class MLAttention(nn.Module):
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
         kv = self.latent_kv(linear(x, weight_of(self.kv_a_proj_with_mqa), self.kv_a_proj_with_mqa.bias), positions)
-        kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = kv.to(kv_cache.dtype)
+        write_slots(kv_cache, slot_mapping, kv)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
@@ -209,7 +217,7 @@ class MLAttention(nn.Module):
         else:
             if meta.slot_mapping is not None:   # (None: the caller wrote this batch's KV already)
                 kv_new = self.latent_kv(kv_a, positions)
-                kv_cache.view(-1, kv_cache.shape[-1])[meta.slot_mapping] = kv_new.to(kv_cache.dtype)
+                write_slots(kv_cache, meta.slot_mapping, kv_new)
             if meta.parts:   # decode rows and prompt chunks attend apart (AttentionMetadata.parts)
                 out = q_nope.new_empty(n, self.num_heads, self.v_dim)
                 for tokens, part in meta.parts:
