@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtpserve.engine.outputs import detokenize_incrementally
+from mtpserve.model.attention import write_slots
 from mtpserve.request import Request
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.step import ScheduledRequest
@@ -110,7 +111,7 @@ def import_handoff(engine, h: Handoff, request_id: str | None = None, params: Sa
         raise RuntimeError("decode engine: no free KV blocks for the handed-off request")
     slots = torch.tensor([engine.block_manager.slot(req, p) for p in range(computed)], dtype=torch.long)
     for cache, kv in zip(engine.runner.kv_caches, h.kv):
-        cache.view(-1, cache.shape[-1])[slots[:kv.shape[0]].to(cache.device)] = kv.to(cache.device, cache.dtype)
+        write_slots(cache, slots[:kv.shape[0]].to(cache.device), kv.to(cache.device))
     if h.last_hidden is not None and engine.runner.mtp_caches:
         run_last_mtp_pass(engine, req, h.last_hidden, h.output_token_ids[0])
     for token in h.output_token_ids:
