@@ -109,6 +109,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--prompt-lens", default="512,2048", help="llamacpp: prompt-processing lengths")
     pe.add_argument("--draft-vocab-size", type=int, default=0, help="llamacpp: our MTP engines draft over the N most "
                     "frequent tokens (speculative_config.draft_vocab_size; 0: the whole vocabulary)")
+    pe.add_argument("--widen", type=int, default=0, help="llamacpp: instead of --model, a random checkpoint of the "
+                    "shipped model's layout N times as wide (weights N^2 times as large); random drafts: --ks 0 only")
     rf = sub.add_parser("roofline", help="bandwidth floor of a batch-1 step vs the measured step, plain and with "
                                          "k drafts")
     _common(rf, 32, 64)
@@ -166,8 +168,13 @@ def run_bench(args) -> dict | None:
         from mtpserve.bench import serve
         record["results"] = serve.from_args(args)
     else:
-        path, kind = common.resolve_model(args.model, args.scratch_dir) if not getattr(args, "random_dense", False) \
-            else (None, "random dense (roofline)")
+        if getattr(args, "random_dense", False):
+            path, kind = None, "random dense (roofline)"
+        elif getattr(args, "widen", 0):
+            path = common.widened_model(args.widen, args.scratch_dir)
+            kind = f"random, the shipped model's layout {args.widen}x as wide"
+        else:
+            path, kind = common.resolve_model(args.model, args.scratch_dir)
         record["model_kind"] = kind
         if path is not None:
             record["model"] = common.model_info(path)

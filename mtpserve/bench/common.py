@@ -67,6 +67,29 @@ def resolve_model(model: str | None, scratch_dir: str = "runs/bench") -> tuple[s
     return path, "random (shipped default model not present)"
 
 
+# the widths `widened_model` scales: hidden 256 -> 1024 at 4x (weights 16x)
+WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim",
+          "qk_rope_head_dim", "v_head_dim")
+
+
+def widened_model(factor: int, scratch_dir: str) -> str:
+    """A random checkpoint of the shipped model's layout (layers, experts, heads, vocabulary) with every width in
+    WIDTHS `factor` times as large, and the shipped tokenizer: the same ops a step, over weights factor^2 times as
+    large. Written under scratch_dir once."""
+    import shutil
+
+    from mtpserve import default_model_path
+    from mtpserve.model.checkpoint import write_random_checkpoint
+    path = os.path.join(scratch_dir, f"widened_{factor}x_model")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(default_model_path(), "config.json")) as f:
+            cfg = {k: v for k, v in json.load(f).items() if k not in ("architectures", "model_type", "torch_dtype")}
+        write_random_checkpoint(path, seed=0, **(cfg | {k: cfg[k] * factor for k in WIDTHS}))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(default_model_path(), name), path)
+    return path
+
+
 def model_info(path: str) -> dict:
     """Config highlights and parameter counts read from the checkpoint: per decode step the main model reads
     its layers + norm + lm_head (one embedding row); one MTP pass reads one MTP layer + the shared head."""

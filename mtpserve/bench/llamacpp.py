@@ -169,8 +169,10 @@ def notes(res: dict) -> str:
     """What a table's engines did apart from the defaults, each after a "; "."""
     cut = [f"; our prompts hold {mine} for {n} tokens, as many as the engine's positions hold with room to generate"
            for n, mine in zip(res["prompt_lens"], res["our_prompt_lens"]) if mine != n]
-    dv = res.get("draft_vocab_size")
-    return "".join(cut + ([f"; MTP drafts over the {dv} most frequent tokens"] if dv else []))
+    dv, wide = res.get("draft_vocab_size"), res.get("widened")
+    return "".join(cut + ([f"; MTP drafts over the {dv} most frequent tokens"] if dv else [])
+                   + ([f"; not the shipped model: a random checkpoint of its layout {wide}x as wide (`--widen`), "
+                       f"{wide * wide}x its weights"] if wide else []))
 
 
 def their_decode(t: dict, batch: int, res: dict) -> float:

@@ -92,6 +92,8 @@ def from_args(args, path: str) -> dict:
     """`mtpserve bench peers`: the peers named by --peers, one after the other."""
     from mtpserve.bench import common, llamacpp, throughput
     peers = common.parse_list(args.peers, str)
+    if args.widen and (args.adaptive or any(common.parse_list(args.ks))):
+        raise SystemExit("--widen: its random MTP layers draft at random (acceptance ~0); pass --ks 0")
     res = {}
     if "llamacpp" in peers:
         why = llamacpp.missing()
@@ -103,6 +105,7 @@ def from_args(args, path: str) -> dict:
                 path, common.parse_list(args.dtypes, str), common.parse_list(args.ks), args.adaptive,
                 common.parse_list(args.batch_sizes), common.parse_list(args.prompt_lens), args.input_len,
                 args.output_len, args.num_iters, args.threads or 1, args.enforce_eager, args.draft_vocab_size)
+            res["llamacpp"]["widened"] = args.widen
             print("\n".join(llamacpp.table(res["llamacpp"])))
     if "transformers" not in peers:
         return res

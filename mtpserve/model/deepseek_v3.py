@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mtpserve.config import ModelConfig
+from mtpserve.model import cpu_kernels
 from mtpserve.model.attention import AttentionMetadata, MLAttention, dense_metadata
 from mtpserve.model.fp8 import weight_of
 from mtpserve.model.layers import MLP, RMSNorm, RotaryEmbedding, by_columns, linear
@@ -118,6 +119,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear) and m.weight.is_contiguous() and m.weight is not embedding:
                 m.weight = nn.Parameter(by_columns(m.weight.detach()), requires_grad=False)
+        if embedding.device.type == "cpu" and embedding.dtype == torch.bfloat16:   # few-row bf16 linears: ours
+            cpu_kernels.load_bf16_linear()
         return self
 
     def set_attention_mode(self, mode: str) -> None:

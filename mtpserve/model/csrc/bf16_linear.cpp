@@ -1,0 +1,70 @@
+// bf16 x [M, K] times a bf16 weight stored by rows [N, K] -> bf16 [M, N], for the few rows of a decode or verify
+// step on a CPU with AVX512-BF16. Each output is one fp32 dot product (VDPBF16PS, 32 products an instruction)
+// rounded once to bf16. Eight weight rows at a time, each read once from memory for all M rows of x:
+//     y[m, n..n+7] = x[m] . w[n..n+7]        for m in 0..M-1, the eight rows then in L1
+// An output depends on its own row of x only: a row gives the same bits alone or in any batch.
+#include <immintrin.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+namespace {
+
+constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
+
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+inline __m512bh load(const uint16_t* p, int64_t left) {
+  if (left >= kLanes) return (__m512bh)_mm512_loadu_si512(p);
+  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);   // zeros past the end
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, at::BFloat16* y,
+                       int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t R = 8;   // weight rows a block; the next block is prefetched while this one is read
+  int64_t n = 0;
+  for (; n + R <= N; n += R) {
+    const uint16_t* block = w + n * w_stride;
+    for (int64_t m = 0; m < M; m++) {
+      const uint16_t* xm = x + m * x_stride;
+      __m512 acc[R];
+      for (int64_t r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += kLanes) {
+        __m512bh xv = load(xm + k, K - k);
+        for (int64_t r = 0; r < R; r++) {
+          if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * w_stride + k), _MM_HINT_T0);
+          acc[r] = _mm512_dpbf16_ps(acc[r], load(block + r * w_stride + k, K - k), xv);
+        }
+      }
+      for (int64_t r = 0; r < R; r++) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r]);
+    }
+  }
+  for (; n < N; n++) {   // the last N % R rows of the weight
+    for (int64_t m = 0; m < M; m++) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += kLanes)
+        acc = _mm512_dpbf16_ps(acc, load(w + n * w_stride + k, K - k), load(x + m * x_stride + k, K - k));
+      y[m * N + n] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bf16_linear: x [M, K], weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16_linear: bf16 only");
+  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "bf16_linear: rows must be contiguous");
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  rows_times_weight(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                    reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0),
+                    y.data_ptr<at::BFloat16>(), x.size(0), weight.size(0), x.size(1));
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mtpserve_cpu, m) {
+  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpserve_cpu, CPU, m) {
+  m.impl("bf16_linear", &bf16_linear);
+}
