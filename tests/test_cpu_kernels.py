@@ -36,7 +36,8 @@ def test_bf16_linear_is_the_fp32_sum_rounded_once(rows, out_features, in_feature
 
 def test_bf16_linear_reads_a_strided_weight_and_rows_as_the_batch_leaves_them():
     """A row's output has the same bits alone or in any batch (so a verify step's rows and a plain decode step's
-    one row agree), and a weight read in place (an expert's down projection, a view) as copied."""
+    one row agree) and on any number of threads, and a weight read in place (an expert's down projection, a
+    view) as copied."""
     gen = torch.Generator().manual_seed(0)
     stacked = torch.randn(96, 8, 64, generator=gen).bfloat16()   # [H, E, I], as MoE.fuse stacks w2
     x = torch.randn(6, 64, generator=gen).bfloat16()
@@ -44,6 +45,15 @@ def test_bf16_linear_reads_a_strided_weight_and_rows_as_the_batch_leaves_them():
     assert torch.equal(together, cpu_kernels.bf16_linear(x, stacked[:, 3].contiguous()))
     for r in range(6):
         assert torch.equal(cpu_kernels.bf16_linear(x[r:r + 1], stacked[:, 3]), together[r:r + 1])
+    threads = torch.get_num_threads()
+    try:   # torch's threads split the weight's rows: an output's bits do not depend on how many there are
+        torch.set_num_threads(2)
+        big, rows = torch.randn(4096, 256, generator=gen).bfloat16(), torch.randn(6, 256, generator=gen).bfloat16()
+        split = cpu_kernels.bf16_linear(rows, big)
+        torch.set_num_threads(1)
+        assert torch.equal(split, cpu_kernels.bf16_linear(rows, big))
+    finally:
+        torch.set_num_threads(threads)
     columns = torch.randn(64, 6, generator=gen).bfloat16().t()   # rows not contiguous: copied first
     assert torch.equal(cpu_kernels.bf16_linear(columns, stacked[:, 3]),
                        cpu_kernels.bf16_linear(columns.contiguous(), stacked[:, 3]))

@@ -21,7 +21,8 @@ def load_bf16_linear() -> bool:
     try:
         from torch.utils.cpp_extension import load
         source = os.path.join(os.path.dirname(__file__), "csrc", "bf16_linear.cpp")
-        load("mtpserve_cpu_kernels", [source], extra_cflags=["-O3"], is_python_module=False, verbose=False)
+        load("mtpserve_cpu_kernels", [source], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's bf16 matmuls instead)
         logger.warning("the bf16 CPU kernel did not build (%s: %s); bf16 linears use PyTorch's", type(e).__name__, e)
         return False

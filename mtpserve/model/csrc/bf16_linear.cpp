@@ -6,10 +6,14 @@
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
 
 namespace {
 
 constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
+constexpr int64_t kBlock = 8;    // weight rows read together
+constexpr int64_t kShareBytes = 256 << 10;
 
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 inline __m512bh load(const uint16_t* p, int64_t left) {
@@ -17,12 +21,13 @@ inline __m512bh load(const uint16_t* p, int64_t left) {
   return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);   // zeros past the end
 }
 
+// y[:, begin:end] for weight rows begin..end-1
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, at::BFloat16* y,
-                       int64_t M, int64_t N, int64_t K) {
-  constexpr int64_t R = 8;   // weight rows a block; the next block is prefetched while this one is read
-  int64_t n = 0;
-  for (; n + R <= N; n += R) {
+                       int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
+  constexpr int64_t R = kBlock;   // the next block is prefetched while this one is read
+  int64_t n = begin;
+  for (; n + R <= end; n += R) {
     const uint16_t* block = w + n * w_stride;
     for (int64_t m = 0; m < M; m++) {
       const uint16_t* xm = x + m * x_stride;
@@ -38,7 +43,7 @@ void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, i
       for (int64_t r = 0; r < R; r++) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r]);
     }
   }
-  for (; n < N; n++) {   // the last N % R rows of the weight
+  for (; n < end; n++) {   // the last rows, fewer than a block
     for (int64_t m = 0; m < M; m++) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += kLanes)
@@ -52,10 +57,16 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bf16_linear: x [M, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16_linear: bf16 only");
   TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "bf16_linear: rows must be contiguous");
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  rows_times_weight(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
-                    reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0),
-                    y.data_ptr<at::BFloat16>(), x.size(0), weight.size(0), x.size(1));
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  // torch's threads split the weight by blocks, each thread's share at least kShareBytes (one thread below that)
+  const int64_t blocks = (N + kBlock - 1) / kBlock, grain = std::max<int64_t>(1, kShareBytes / (kBlock * K * 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
+    rows_times_weight(xp, x.stride(0), wp, weight.stride(0), y.data_ptr<at::BFloat16>(), M, N, K, first * kBlock,
+                      std::min(N, last * kBlock));
+  });
   return y;
 }
 
