@@ -171,6 +171,8 @@ def run_bench(args) -> dict | None:
         if getattr(args, "random_dense", False):
             path, kind = None, "random dense (roofline)"
         elif getattr(args, "widen", 0):
+            if args.adaptive or any(common.parse_list(args.ks)):   # (refused before a large checkpoint is written)
+                raise SystemExit("--widen: its random MTP layers draft at random (acceptance ~0); pass --ks 0")
             path = common.widened_model(args.widen, args.scratch_dir)
             kind = f"random, the shipped model's layout {args.widen}x as wide"
         else:

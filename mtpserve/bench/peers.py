@@ -92,8 +92,6 @@ def from_args(args, path: str) -> dict:
     """`mtpserve bench peers`: the peers named by --peers, one after the other."""
     from mtpserve.bench import common, llamacpp, throughput
     peers = common.parse_list(args.peers, str)
-    if args.widen and (args.adaptive or any(common.parse_list(args.ks))):
-        raise SystemExit("--widen: its random MTP layers draft at random (acceptance ~0); pass --ks 0")
     res = {}
     if "llamacpp" in peers:
         why = llamacpp.missing()
