@@ -1,5 +1,6 @@
-"""mtpserve's own CPU kernel (model/csrc/bf16_linear.cpp): built on a CPU with AVX512-BF16, the fp32 sums of a
-bf16 product rounded once, a row's bits independent of the batch around it, the same in a CPU graph as eagerly."""
+"""mtpserve's own CPU kernels (model/csrc/): built on a CPU with AVX512-BF16. bf16_linear: the fp32 sums of a bf16
+product rounded once, a row's bits independent of the batch around it, the same in a CPU graph as eagerly.
+latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(),
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    assert cpu_kernels.load_bf16_linear(), "the bf16 kernel did not build on a CPU that supports it"
+    assert cpu_kernels.load(), "the bf16 kernel did not build on a CPU that supports it"
 
 
 def _bits_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -76,25 +77,82 @@ def test_a_cpu_graph_runs_the_kernel_as_eager_mode_does():
         assert torch.equal(mlp(x[:rows]), F.silu(cpu_kernels.bf16_linear(x[:rows], w)) * 2)
 
 
+def _attention_in_fp64(q, keys, mask, scale, value_dim):
+    rows_per_mask_row = q.shape[1] // mask.shape[1]
+    scores = (q.double() @ keys.double().transpose(1, 2)) * scale
+    scores = scores.masked_fill(~mask.repeat(1, rows_per_mask_row, 1), float("-inf"))
+    return scores.softmax(-1) @ keys[..., :value_dim].double()
+
+
+@pytest.mark.parametrize("batch,heads,queries,keys_len,dim,value_dim", [
+    (1, 8, 1, 160, 144, 128),   # the shipped model's decode step: 8 heads, latent 128 + rope 16
+    (2, 8, 3, 37, 144, 128),    # MTP k = 2 verify, two requests
+    (3, 5, 2, 17, 40, 33),      # tails everywhere: rows, positions, dimensions, value columns
+    (1, 16, 1, 300, 576, 512)])  # DeepSeek-V3's latent 512 + rope 64
+def test_latent_attention_is_the_attention_in_fp64_rounded_once(batch, heads, queries, keys_len, dim, value_dim):
+    """Rows are heads x query tokens; row i attends where mask row i % queries allows (each request's own
+    positions up to its query's). The cached keys are read in place from a longer buffer, as a step slices them."""
+    gen = torch.Generator().manual_seed(keys_len)
+    q = torch.randn(batch, heads * queries, dim, generator=gen).bfloat16()
+    buffer = torch.randn(batch, keys_len + 16, dim, generator=gen).bfloat16()
+    keys = buffer[:, :keys_len]
+    pos = torch.randint(keys_len // 2, keys_len, (batch, queries), generator=gen)
+    mask = torch.arange(keys_len)[None, None, :] <= pos[:, :, None]
+    scale = dim ** -0.5
+    ours = cpu_kernels.latent_attention(q, keys, mask, scale, value_dim)
+    want = _attention_in_fp64(q, keys, mask, scale, value_dim)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (batch, heads * queries, value_dim)
+    # fp32 scores and weights, the output rounded once: within a bf16 step of the fp64 result, or near zero
+    assert ((ours.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
+
+
+def test_latent_attention_ignores_masked_positions_and_gives_a_row_the_same_bits_in_any_batch():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 8, 144, generator=gen).bfloat16()
+    keys = torch.randn(2, 40, 144, generator=gen).bfloat16()
+    mask = torch.arange(40)[None, None, :] < torch.tensor([25, 40])[:, None, None]
+    out = cpu_kernels.latent_attention(q, keys, mask, 0.1, 128)
+    far = keys.clone()
+    far[0, 25:] = 1e4   # masked: no weight, whatever they hold
+    assert torch.equal(cpu_kernels.latent_attention(q, far, mask, 0.1, 128), out)
+    assert torch.equal(cpu_kernels.latent_attention(q[1:], keys[1:], mask[1:], 0.1, 128), out[1:])
+
+
+def test_a_cpu_graph_runs_the_attention_kernel_as_eager_mode_does():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 24, 144, generator=gen).bfloat16()
+    keys = torch.randn(1, 48, 144, generator=gen).bfloat16()
+    mask = torch.arange(48)[None, None, :] <= torch.tensor([[45, 46, 47]])[:, :, None]
+
+    def attend(q, keys, mask):
+        return cpu_kernels.latent_attention(q * 2, keys, mask, 0.125, 128).float().sum(-1)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+    assert torch.equal(compiled(q, keys, mask), attend(q, keys, mask))
+
+
 def test_a_bf16_engine_runs_its_few_row_linears_in_the_kernel_and_mtp_stays_lossless(tmp_path, monkeypatch):
-    """A bf16 engine on the CPU loads the kernel with its weights; its decode and verify steps' linears run in it
-    (a verify step's rows get a plain step's bits, row by row), and greedy MTP gives the tokens of no MTP."""
+    """A bf16 engine on the CPU loads the kernels with its weights; its decode and verify steps' linears and
+    attention run in them (a verify step's rows get a plain step's bits, row by row), and greedy MTP gives the
+    tokens of no MTP."""
     from mtpserve import LLM, SamplingParams
     from tiny_models import trained_checkpoint
     ckpt = trained_checkpoint(tmp_path / "ckpt", num_mtp_layers=1)
-    calls = []
-    original = cpu_kernels.bf16_linear
+    calls, attended = [], []
+    original, attention = cpu_kernels.bf16_linear, cpu_kernels.latent_attention
     monkeypatch.setattr(cpu_kernels, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or original(x, w))
+    monkeypatch.setattr(cpu_kernels, "latent_attention", lambda *a: attended.append(a[0].shape) or attention(*a))
     prompts = [[5, 8, 11], [20, 21, 22, 23, 24, 25, 26], [30, 32]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     outs = {}
     for name, s in (("plain", None), ("mtp", spec)):
-        calls.clear()
+        calls.clear(), attended.clear()
         llm = LLM(ckpt, dtype="bfloat16", speculative_config=s, enforce_eager=True)
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                                    use_tqdm=False)]
         assert calls and max(calls) <= 8   # (prompt chunks and verify steps of more rows: PyTorch's GEMMs)
+        assert attended and max(b * rows for b, rows, _ in attended) <= 64   # (more rows: oneDNN's bmm)
         if s:
             assert llm.get_metrics()["acceptance_rate"] > 0.3
     assert outs["mtp"] == outs["plain"]

@@ -19,6 +19,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mtpserve.config import ModelConfig
+from mtpserve.model import cpu_kernels
 from mtpserve.model.ops import opaque_op
 from mtpserve.model.fp8 import apply_linear, weight_of
 from mtpserve.model.layers import RMSNorm, RotaryEmbedding, linear, share_storage, softmax_scale
@@ -126,6 +127,13 @@ def small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             and statically_known_true(a.shape[0] * a.shape[1] <= SMALL_BMM_ROWS)):
         return (a.unsqueeze(-1) * b.unsqueeze(1)).sum(2)
     return torch.bmm(a, b)
+
+
+def _latent_kernel(rows: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Absorbed attention of a few query rows in all (batch x heads x query tokens, as small_bmm counts them) in bf16
+    on the CPU runs our kernel (model/cpu_kernels.py), eagerly and in graphs; more rows take oneDNN's bmm."""
+    return (rows.device.type == "cpu" and rows.dtype == keys.dtype == torch.bfloat16 and cpu_kernels.LOADED
+            and statically_known_true(rows.shape[0] * rows.shape[1] <= SMALL_BMM_ROWS))
 
 
 def dense_metadata(batch: int, seq_len: int, device) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -252,10 +260,15 @@ class MLAttention(nn.Module):
             query = to_padded(torch.cat([q_latent, q_pe], dim=-1))           # [B, H, max_q, r + rope]
             # One latent key/value per token, shared by every head: heads become extra query rows (MQA).
             rows = query.reshape(batch, -1, query.shape[-1])
-            scores = small_bmm(rows, keys.transpose(1, 2)).float() * self.scale    # [B, H * max_q, kv]
-            mask = meta.mask.expand(-1, self.num_heads, -1, -1).reshape(batch, -1, scores.shape[-1])
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(c.dtype)
-            out = small_bmm(probs, c).view(batch, self.num_heads, meta.max_query_len, -1)
+            if _latent_kernel(rows, keys):
+                out = cpu_kernels.latent_attention(rows, keys, meta.mask.squeeze(1).contiguous(), self.scale,
+                                                   self.kv_lora_rank)
+            else:
+                scores = small_bmm(rows, keys.transpose(1, 2)).float() * self.scale    # [B, H * max_q, kv]
+                mask = meta.mask.expand(-1, self.num_heads, -1, -1).reshape(batch, -1, scores.shape[-1])
+                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(c.dtype)
+                out = small_bmm(probs, c)
+            out = out.view(batch, self.num_heads, meta.max_query_len, -1)
             return self._absorb_values(from_padded(out))
         kv = F.linear(c, self.kv_b_proj.weight).view(batch, -1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)

@@ -9,29 +9,39 @@ import torch
 logger = logging.getLogger("mtpserve")
 
 
-BF16_LINEAR = False   # mtpserve_cpu::bf16_linear is loaded (load_bf16_linear); read by layers.linear
+LOADED = False   # the mtpserve_cpu ops are loaded (load); read by layers.linear and attention._attend
 
 
-def load_bf16_linear() -> bool:
-    """Loads mtpserve_cpu::bf16_linear (built the first time) -> BF16_LINEAR; False on a CPU without AVX512-BF16
-    or if the build fails."""
-    global BF16_LINEAR
-    if BF16_LINEAR or not torch.cpu._is_avx512_bf16_supported():
-        return BF16_LINEAR
+def load() -> bool:
+    """Loads the mtpserve_cpu ops (built the first time) -> LOADED; False on a CPU without AVX512-BF16 or if the
+    build fails."""
+    global LOADED
+    if LOADED or not torch.cpu._is_avx512_bf16_supported():
+        return LOADED
     try:
-        from torch.utils.cpp_extension import load
-        source = os.path.join(os.path.dirname(__file__), "csrc", "bf16_linear.cpp")
-        load("mtpserve_cpu_kernels", [source], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
+        from torch.utils.cpp_extension import load as build
+        sources = [os.path.join(os.path.dirname(__file__), "csrc", name)
+                   for name in ("bf16_linear.cpp", "latent_attention.cpp")]
+        build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+              is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's bf16 matmuls instead)
-        logger.warning("the bf16 CPU kernel did not build (%s: %s); bf16 linears use PyTorch's", type(e).__name__, e)
+        logger.warning("the bf16 CPU kernels did not build (%s: %s); PyTorch's ops instead", type(e).__name__, e)
         return False
     torch.library.register_fake("mtpserve_cpu::bf16_linear")(
         lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
-    BF16_LINEAR = True
+    torch.library.register_fake("mtpserve_cpu::latent_attention")(
+        lambda q, keys, mask, scale, value_dim: q.new_empty(q.shape[0], q.shape[1], value_dim))
+    LOADED = True
     return True
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T in bf16 (fp32 sums, rounded once): csrc/bf16_linear.cpp."""
     return torch.ops.mtpserve_cpu.bf16_linear(x if x.stride(-1) == 1 else x.contiguous(), weight)
+
+
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float,
+                     value_dim: int) -> torch.Tensor:
+    """MLA's absorbed attention in bf16: q [B, R, D] over keys [B, L, D] with mask [B, Q, L] (row i: mask row
+    i % Q) -> [B, R, value_dim], the values being keys[..., :value_dim]: csrc/latent_attention.cpp."""
+    return torch.ops.mtpserve_cpu.latent_attention(q, keys, mask, scale, value_dim)

@@ -120,7 +120,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if isinstance(m, nn.Linear) and m.weight.is_contiguous() and m.weight is not embedding:
                 m.weight = nn.Parameter(by_columns(m.weight.detach()), requires_grad=False)
         if embedding.device.type == "cpu" and embedding.dtype == torch.bfloat16:   # few-row bf16 linears: ours
-            cpu_kernels.load_bf16_linear()
+            cpu_kernels.load()
         return self
 
     def set_attention_mode(self, mode: str) -> None:

@@ -60,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
     few = x.dim() == 2 and x.device.type == "cpu" and weight.stride(-1) == 1 and statically_known_true(0 < rows) \
         and statically_known_true(rows <= FEW_ROWS)
-    if few and x.dtype == weight.dtype == torch.bfloat16 and cpu_kernels.BF16_LINEAR:
+    if few and x.dtype == weight.dtype == torch.bfloat16 and cpu_kernels.LOADED:
         out = cpu_kernels.bf16_linear(x, weight)
     elif few and torch.compiler.is_compiling():
         out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])

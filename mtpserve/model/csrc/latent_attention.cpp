@@ -1,0 +1,186 @@
+// MLA's absorbed decode attention on the CPU, bf16: query rows (heads x query tokens) over the latent keys of
+// their request, one latent row per position shared by every head (model/attention.py, `_attend`):
+//     q    [B, R, D]   row i = head * Q + query token (D = kv_lora_rank + rope dims: 128 + 16 shipped)
+//     keys [B, L, D]   the request's cached latents c and rope keys; the values are c = keys[..., :V]
+//     mask [B, Q, L]   row i attends to the positions that mask[b, i % Q] allows
+//     out  [B, R, V] = softmax(scale * q . keys[p] over the allowed p) . keys[p, :V]
+// Scores and probabilities stay fp32 (bf16 dot products, VDPBF16PS); the output is rounded once to bf16.
+// Row i over positions 0..5 with Q = 1:  scores s0..s5 -> masked, max, e^(s - max) / sum -> out = sum_p w_p c_p
+#include <immintrin.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
+constexpr int64_t kRowBlock = 8; // query rows that share each value row read
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+AVX512_BF16 inline __m512bh load32(const uint16_t* p, int64_t left) {
+  if (left >= kLanes) return (__m512bh)_mm512_loadu_si512(p);
+  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);   // zeros past the end
+}
+
+AVX512_BF16 inline __m512 load16_as_float(const uint16_t* p, int64_t left) {
+  __m256i v = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                         : _mm256_maskz_loadu_epi16((__mmask16)((1u << std::max<int64_t>(left, 0)) - 1), p);
+  return _mm512_cvtpbh_ps((__m256bh)v);
+}
+
+// {sum a, sum b, sum c, sum d}: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3] and the same of c, d, then
+// [a, b, c, d], then the four lanes added
+AVX512_BF16 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
+  __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
+  __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+                              _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+  __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// e^x for x <= 0 (to 2 ulp): 2^n e^r, n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor series
+AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-06f), r);
+  __m512 e = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(e, n);
+}
+
+// raw scores[r, p..p+P-1] = q_r . keys[p + j] for RR rows from r: RR x P independent sums, reduced four at a time
+template <int64_t RR, int64_t P>
+AVX512_BF16 inline void scores_block(const uint16_t* q, int64_t q_stride, const uint16_t* keys, int64_t key_stride,
+                                     int64_t D, int64_t r, int64_t p, int64_t L, float* scores) {
+  __m512 acc[RR][P];
+  for (int64_t i = 0; i < RR; i++)
+    for (int64_t j = 0; j < P; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < D; k += kLanes) {
+    __m512bh key[P];
+    for (int64_t j = 0; j < P; j++) key[j] = load32(keys + (p + j) * key_stride + k, D - k);
+    for (int64_t i = 0; i < RR; i++) {
+      __m512bh qv = load32(q + (r + i) * q_stride + k, D - k);
+      for (int64_t j = 0; j < P; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], key[j], qv);
+    }
+  }
+  for (int64_t i = 0; i < RR; i++) {
+    if constexpr (P == 4) _mm_storeu_ps(scores + (r + i) * L + p, sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    else for (int64_t j = 0; j < P; j++) scores[(r + i) * L + p + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+}
+
+// probs[r, 0..L-1] of `rows` query rows: scale * q_r . keys[p] where allowed, softmaxed but not yet divided by
+// their sum (-> inv_sum[r]). Four rows by four positions at a time.
+AVX512_BF16 void block_probs(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* keys,
+                             int64_t key_stride, const bool* const* allowed, int64_t L, int64_t D, float scale,
+                             float* probs, float* inv_sum) {
+  int64_t p = 0;
+  for (; p + 4 <= L; p += 4) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) scores_block<4, 4>(q, q_stride, keys, key_stride, D, r, p, L, probs);
+    for (; r < rows; r++) scores_block<1, 4>(q, q_stride, keys, key_stride, D, r, p, L, probs);
+  }
+  for (; p < L; p++)
+    for (int64_t r = 0; r < rows; r++) scores_block<1, 1>(q, q_stride, keys, key_stride, D, r, p, L, probs);
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t r = 0; r < rows; r++) {
+    float* row = probs + r * L;
+    __m512 top = minus_inf;
+    for (p = 0; p < L; p += 16) {   // masked and scaled; the row's largest
+      const __mmask16 lanes = (__mmask16)((1u << std::min<int64_t>(16, L - p)) - 1);
+      __m128i bytes = _mm_maskz_loadu_epi8(lanes, allowed[r] + p);
+      __m512 s = _mm512_mask_mul_ps(minus_inf, _mm_test_epi8_mask(bytes, bytes), _mm512_maskz_loadu_ps(lanes, row + p),
+                                    _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(row + p, lanes, s);
+      top = _mm512_mask_max_ps(top, lanes, top, s);
+    }
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(top));   // (set_mask allows every row a position)
+    __m512 sum = _mm512_setzero_ps();
+    for (p = 0; p < L; p += 16) {
+      const __mmask16 lanes = (__mmask16)((1u << std::min<int64_t>(16, L - p)) - 1);
+      __m512 s = _mm512_maskz_loadu_ps(lanes, row + p);
+      __mmask16 kept = _mm512_mask_cmp_ps_mask(lanes, s, minus_inf, _CMP_NEQ_OQ);
+      __m512 e = _mm512_maskz_mov_ps(kept, exp_nonpositive(_mm512_sub_ps(s, row_max)));
+      _mm512_mask_storeu_ps(row + p, lanes, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+// out[r, :V] = inv_sum[r] sum_p probs[r, p] keys[p, :V] for kRowBlock rows (probs rows past `rows` are zeros), 32
+// columns at a time
+AVX512_BF16 void block_values(const float* probs, const float* inv_sum, int64_t L, const uint16_t* keys,
+                              int64_t key_stride, int64_t V, at::BFloat16* out, int64_t out_stride, int64_t rows) {
+  for (int64_t c = 0; c < V; c += kLanes) {
+    __m512 acc[kRowBlock][2];
+    for (int64_t r = 0; r < kRowBlock; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < L; p++) {
+      const uint16_t* value = keys + p * key_stride + c;
+      __m512 lo = load16_as_float(value, V - c), hi = load16_as_float(value + 16, V - c - 16);
+      for (int64_t r = 0; r < kRowBlock; r++) {
+        __m512 w = _mm512_set1_ps(probs[r * L + p]);
+        acc[r][0] = _mm512_fmadd_ps(w, lo, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w, hi, acc[r][1]);
+      }
+    }
+    const __mmask32 cols = V - c >= kLanes ? ~0u : (__mmask32)((1ull << (V - c)) - 1);
+    for (int64_t r = 0; r < rows; r++) {
+      const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+      __m512bh both = _mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[r][1], inv), _mm512_mul_ps(acc[r][0], inv));
+      _mm512_mask_storeu_epi16(out + r * out_stride + c, cols, (__m512i)both);
+    }
+  }
+}
+
+at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& mask, double scale,
+                            int64_t value_dim) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && mask.dim() == 3 && q.size(0) == keys.size(0) &&
+              q.size(2) == keys.size(2) && mask.size(0) == q.size(0) && mask.size(2) == keys.size(1) &&
+              q.size(1) % mask.size(1) == 0 && value_dim <= keys.size(2),
+              "latent_attention: q [B, R, D], keys [B, L, D], mask [B, Q, L] with R a multiple of Q, V <= D");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+              mask.scalar_type() == at::kBool, "latent_attention: bf16 q and keys, bool mask");
+  TORCH_CHECK(q.stride(2) == 1 && keys.stride(2) == 1 && mask.stride(2) == 1,
+              "latent_attention: rows must be contiguous");
+  const int64_t B = q.size(0), R = q.size(1), D = q.size(2), L = keys.size(1), Q = mask.size(1), V = value_dim;
+  at::Tensor out = at::empty({B, R, V}, q.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
+  const bool* mp = mask.data_ptr<bool>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, B, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> probs(kRowBlock * L);
+    float inv_sum[kRowBlock];
+    const bool* allowed[kRowBlock];
+    for (int64_t b = first; b < last; b++) {
+      const uint16_t* bk = kp + b * keys.stride(0);
+      for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, R - r0);
+        for (int64_t r = 0; r < rows; r++) allowed[r] = mp + b * mask.stride(0) + ((r0 + r) % Q) * mask.stride(1);
+        std::fill(probs.begin() + rows * L, probs.end(), 0.f);
+        block_probs(qp + b * q.stride(0) + r0 * q.stride(1), q.stride(1), rows, bk, keys.stride(1), allowed, L, D,
+                    float(scale), probs.data(), inv_sum);
+        block_values(probs.data(), inv_sum, L, bk, keys.stride(1), V, op + (b * R + r0) * V, V, rows);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
+  m.def("latent_attention(Tensor q, Tensor keys, Tensor mask, float scale, int value_dim) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpserve_cpu, CPU, m) {
+  m.impl("latent_attention", &latent_attention);
+}
