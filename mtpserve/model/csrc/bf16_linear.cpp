@@ -9,22 +9,16 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 
+#include "avx512.h"
+
 namespace {
 
-constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
 constexpr int64_t kBlock = 8;    // weight rows read together
 constexpr int64_t kShareBytes = 256 << 10;
 
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-inline __m512bh load(const uint16_t* p, int64_t left) {
-  if (left >= kLanes) return (__m512bh)_mm512_loadu_si512(p);
-  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);   // zeros past the end
-}
-
 // y[:, begin:end] for weight rows begin..end-1
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, at::BFloat16* y,
-                       int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
+AVX512_BF16 void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
+                                   at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
   constexpr int64_t R = kBlock;   // the next block is prefetched while this one is read
   int64_t n = begin;
   for (; n + R <= end; n += R) {
@@ -34,10 +28,10 @@ void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, i
       __m512 acc[R];
       for (int64_t r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += kLanes) {
-        __m512bh xv = load(xm + k, K - k);
+        __m512bh xv = load32(xm + k, K - k);
         for (int64_t r = 0; r < R; r++) {
           if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * w_stride + k), _MM_HINT_T0);
-          acc[r] = _mm512_dpbf16_ps(acc[r], load(block + r * w_stride + k, K - k), xv);
+          acc[r] = _mm512_dpbf16_ps(acc[r], load32(block + r * w_stride + k, K - k), xv);
         }
       }
       for (int64_t r = 0; r < R; r++) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r]);
@@ -47,7 +41,7 @@ void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, i
     for (int64_t m = 0; m < M; m++) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += kLanes)
-        acc = _mm512_dpbf16_ps(acc, load(w + n * w_stride + k, K - k), load(x + m * x_stride + k, K - k));
+        acc = _mm512_dpbf16_ps(acc, load32(w + n * w_stride + k, K - k), load32(x + m * x_stride + k, K - k));
       y[m * N + n] = _mm512_reduce_add_ps(acc);
     }
   }

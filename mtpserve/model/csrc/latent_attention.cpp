@@ -14,33 +14,16 @@
 #include <cmath>
 #include <vector>
 
+#include "avx512.h"
+
 namespace {
 
-constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
 constexpr int64_t kRowBlock = 8; // query rows that share each value row read
-
-#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-AVX512_BF16 inline __m512bh load32(const uint16_t* p, int64_t left) {
-  if (left >= kLanes) return (__m512bh)_mm512_loadu_si512(p);
-  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);   // zeros past the end
-}
 
 AVX512_BF16 inline __m512 load16_as_float(const uint16_t* p, int64_t left) {
   __m256i v = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                          : _mm256_maskz_loadu_epi16((__mmask16)((1u << std::max<int64_t>(left, 0)) - 1), p);
   return _mm512_cvtpbh_ps((__m256bh)v);
-}
-
-// {sum a, sum b, sum c, sum d}: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3] and the same of c, d, then
-// [a, b, c, d], then the four lanes added
-AVX512_BF16 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
-  __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
-  __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
-                              _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
-  __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
 // e^x for x <= 0 (to 2 ulp): 2^n e^r, n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor series
