@@ -24,6 +24,8 @@ $B peers --peers llamacpp --graph-mode --dtypes float32,bfloat16,int8 --ks 0,2 -
   --prompt-lens 512,2048 --output-len 128 --num-iters 3 --threads 1 --output-json $R/peers_llamacpp_graph_t1.json
 $B peers --peers llamacpp --enforce-eager --dtypes float32,int8 --ks 0,1 --batch-sizes 32 \
   --prompt-lens 512 --output-len 128 --num-iters 2 --threads 1 --output-json $R/peers_llamacpp_eager_b32_t1.json
+$B peers --peers llamacpp --graph-mode --dtypes float32,bfloat16 --ks 0,1 --batch-sizes 32 \
+  --prompt-lens 512 --output-len 128 --num-iters 2 --threads 1 --output-json $R/peers_llamacpp_graph_b32_t1.json
 $B peers --peers llamacpp --graph-mode --dtypes float32,bfloat16,int8 --ks 0,2 --batch-sizes 1 \
   --prompt-lens 512,2048 --output-len 128 --num-iters 3 --threads 2 --output-json $R/peers_llamacpp_graph_t2.json
 $B peers --peers llamacpp --graph-mode --widen 4 --dtypes float32,bfloat16,int8 --ks 0 --batch-sizes 1,8 \
