@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(),
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    assert cpu_kernels.load(), "the bf16 kernel did not build on a CPU that supports it"
+    assert cpu_kernels.load(), "the kernels did not build on a CPU that supports them"
 
 
 def _bits_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

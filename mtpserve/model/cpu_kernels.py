@@ -24,7 +24,7 @@ def load() -> bool:
                    for name in ("bf16_linear.cpp", "latent_attention.cpp")]
         build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
-    except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's bf16 matmuls instead)
+    except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
         logger.warning("the bf16 CPU kernels did not build (%s: %s); PyTorch's ops instead", type(e).__name__, e)
         return False
     torch.library.register_fake("mtpserve_cpu::bf16_linear")(
