@@ -1,6 +1,7 @@
 """mtpserve's own CPU kernels (model/csrc/): built on a CPU with AVX512-BF16. bf16_linear: the fp32 sums of a bf16
 product rounded once, a row's bits independent of the batch around it, the same in a CPU graph as eagerly.
-latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits."""
+latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits.
+The CPU allocator that keeps freed tensor memory: blocks reused by size class, aligned, data kept intact."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,27 @@ def test_a_cpu_graph_runs_the_attention_kernel_as_eager_mode_does():
 
     compiled = torch.compile(attend, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
     assert torch.equal(compiled(q, keys, mask), attend(q, keys, mask))
+
+
+def test_freed_cpu_tensor_memory_is_handed_out_again_by_size_class_and_large_blocks_are_not_kept():
+    first, neighbour = torch.empty(2100, dtype=torch.uint8), torch.empty(2100, dtype=torch.uint8)
+    address = first.data_ptr()
+    del first
+    # the same class (2,049 .. 4,096 bytes) and larger than the freed tensor: glibc's malloc cannot serve it there
+    again = torch.empty(4000, dtype=torch.uint8)
+    assert again.data_ptr() == address and address % 64 == 0
+    other = torch.empty(5000, dtype=torch.uint8)   # (the next class: another block)
+    assert other.data_ptr() not in (address, neighbour.data_ptr())
+    values = torch.arange(1000, dtype=torch.float32)
+    held = values.clone()
+    del again, other, neighbour
+    for _ in range(100):   # churn through the kept blocks: a live tensor's data is never handed out
+        torch.empty(3000, dtype=torch.uint8).fill_(7)
+    assert torch.equal(values, held) and torch.equal(values, torch.arange(1000, dtype=torch.float32))
+    large = torch.empty(2 << 20, dtype=torch.uint8)   # over 1 MB: from the system and back to it
+    assert large.data_ptr() % 64 == 0
+    large.fill_(1)
+    assert int(large.sum()) == 2 << 20
 
 
 def test_a_bf16_engine_runs_its_few_row_linears_in_the_kernel_and_mtp_stays_lossless(tmp_path, monkeypatch):

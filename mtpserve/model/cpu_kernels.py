@@ -21,7 +21,7 @@ def load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
         sources = [os.path.join(os.path.dirname(__file__), "csrc", name)
-                   for name in ("bf16_linear.cpp", "latent_attention.cpp")]
+                   for name in ("bf16_linear.cpp", "latent_attention.cpp", "cpu_allocator.cpp")]
         build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
@@ -31,6 +31,7 @@ def load() -> bool:
         lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
         lambda q, keys, mask, scale, value_dim: q.new_empty(q.shape[0], q.shape[1], value_dim))
+    torch.ops.mtpserve_cpu.keep_freed_cpu_memory()   # (csrc/cpu_allocator.cpp: this process's CPU tensors)
     LOADED = True
     return True
 
