@@ -201,6 +201,28 @@ def test_compiled_moe_paths_match_eager_in_bf16(num_tokens):
     assert (compiled.float() - eager.float()).abs().max() <= 0.02 * eager.float().abs().max()
 
 
+def test_a_cpu_graph_routes_tokens_as_eager_mode_does():
+    """In a CPU graph over a few tokens the router's product is a fused sum and its top-k a ranking by comparisons
+    (moe._top): the same experts as eager mode's GEMM and topk, in the same order, with masked (-inf) groups."""
+    from mtpserve.config import ModelConfig
+    from mtpserve.model import moe
+    from mtpserve.model.checkpoint import tiny_config
+    cfg = ModelConfig.from_dict(tiny_config(hidden_size=64, n_routed_experts=16, num_experts_per_tok=3, n_group=4,
+                                            topk_group=2))
+    torch.manual_seed(0)
+    gate = moe.Gate(cfg)
+    torch.nn.init.normal_(gate.weight)
+    torch.nn.init.normal_(gate.e_score_correction_bias, std=0.1)
+    x = torch.randn(24, 64)
+    top = torch.compile(lambda s: moe._top(s, 3), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        scores = torch.randn(24, 16).masked_fill(torch.rand(24, 16) < 0.3, float("-inf"))
+        assert torch.equal(top(scores), scores.topk(3, dim=-1).indices)
+        weights, ids = gate(x)
+        compiled_weights, compiled_ids = torch.compile(gate, fullgraph=True, dynamic=False)(x)
+    assert torch.equal(compiled_ids, ids) and torch.allclose(compiled_weights, weights, atol=1e-6)
+
+
 def test_compile_in_background_serves_at_once_then_runs_the_graph(ckpt, tmp_path, monkeypatch):
     """compile_in_background: nothing is built at start-up; the first decode step queues its fused graph and
     runs eagerly; the compiler process compiles it cold, then the compiler thread builds it from the cache (an

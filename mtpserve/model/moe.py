@@ -2,8 +2,10 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mtpserve.config import ModelConfig
+from mtpserve.model.attention import SMALL_BMM_ROWS
 from mtpserve.model.fp8 import Fp8Weight
 from mtpserve.model.int8 import Int8Weight
 from mtpserve.model.layers import MLP, by_columns, linear, silu_and_mul
@@ -18,6 +20,32 @@ FEW_CHOICES = 8
 DENSE_MAX_TOKENS = 16
 
 
+def _few_rows_in_cpu_graph(x: torch.Tensor) -> bool:
+    """A CPU graph over at most SMALL_BMM_ROWS tokens: there the router's small product and top-k, written as
+    broadcasts and sums, fuse into inductor's kernels, where ATen calls (MKL's GEMM, topk) cost more than their work
+    (and a row's sum does not depend on how many rows the step has)."""
+    return (torch.compiler.is_compiling() and x.device.type == "cpu"
+            and statically_known_true(x.shape[0] <= SMALL_BMM_ROWS))
+
+
+def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:   # [N, H], [E, H] -> [N, E] in fp32
+    if _few_rows_in_cpu_graph(x):
+        return (x.float().unsqueeze(1) * weight.float()).sum(-1)
+    return F.linear(x.float(), weight.float())
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k largest of each row [N, E] -> [N, k], largest first."""
+    if _few_rows_in_cpu_graph(scores) and scores.shape[-1] <= SMALL_BMM_ROWS:
+        # each index's rank: the scores above it (ties: lower indices first). [0.1 0.7 0.3] -> ranks [2 0 1]; top 2:
+        # the index of rank 0, then of rank 1 -> [1 2]
+        index = torch.arange(scores.shape[-1], device=scores.device)
+        mine, other = scores.unsqueeze(-1), scores.unsqueeze(-2)
+        rank = ((other > mine) | ((other == mine) & (index < index.unsqueeze(-1)))).sum(-1)
+        return (rank.unsqueeze(-2) == torch.arange(k, device=scores.device).unsqueeze(-1)).int().argmax(-1)
+    return scores.topk(k, dim=-1).indices
+
+
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -29,7 +57,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (weights [N, k], expert ids [N, k])."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = _router_logits(x, self.weight)
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores
         if cfg.topk_method == "noaux_tc":
@@ -40,10 +68,10 @@ class Gate(nn.Module):
                 group_scores = grouped.sum(-1) if grouped.shape[-1] == 2 else grouped.topk(2, dim=-1).values.sum(-1)
             else:
                 group_scores = grouped.amax(-1)
-            keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+            keep = _top(group_scores, cfg.topk_group)
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
             choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).flatten(1)
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        ids = _top(choice, cfg.num_experts_per_tok)
         weights = scores.gather(1, ids)
         if cfg.scoring_func == "sigmoid":   # V3: normalize (optionally), then always scale
             if cfg.norm_topk_prob:
