@@ -1,6 +1,7 @@
 """CPU kernels of our own, built from csrc/ with torch's C++ extension builder the first time a process needs one
 (cached under torch's extension directory, ~20 s once) and registered as torch ops, so eager steps and inductor's
-graphs call the same code. Where a kernel cannot run (no AVX512-BF16, no compiler) callers keep PyTorch's ops."""
+graphs call the same code; loading them also makes csrc/cpu_allocator.cpp the process's CPU allocator. Where a kernel
+cannot run (no AVX512-BF16, no compiler) callers keep PyTorch's ops (and allocator)."""
 import logging
 import os
 
@@ -31,7 +32,7 @@ def load() -> bool:
         lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
         lambda q, keys, mask, scale, value_dim: q.new_empty(q.shape[0], q.shape[1], value_dim))
-    torch.ops.mtpserve_cpu.keep_freed_cpu_memory()   # (csrc/cpu_allocator.cpp: this process's CPU tensors)
+    torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
     LOADED = True
     return True
 
