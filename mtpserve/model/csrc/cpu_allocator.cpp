@@ -20,8 +20,12 @@ constexpr int kClasses = 15;                  // 64 B << 0 .. 14: up to kLargest
 constexpr size_t kLargest = size_t(64) << (kClasses - 1);   // 1 MB
 constexpr size_t kKept = 32;                  // kept blocks per class, at most
 
-std::mutex mu;   // guards kept (engines free tensors on several threads)
-std::vector<void*> kept[kClasses];
+// Never destroyed: tensors may still be freed while the process exits, after this library's statics would be gone.
+struct Kept {
+  std::mutex mu;   // guards lists (engines free tensors on several threads)
+  std::vector<void*> lists[kClasses];
+};
+Kept& kept = *new Kept;
 
 int size_class(size_t bytes) {   // -1: larger than kLargest
   if (bytes > kLargest) return -1;
@@ -34,9 +38,9 @@ void release(void* data) {
   void* block = static_cast<char*>(data) - kHeader;
   const int c = *static_cast<int*>(block);
   if (c >= 0) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (kept[c].size() < kKept) {
-      kept[c].push_back(block);
+    std::lock_guard<std::mutex> lock(kept.mu);
+    if (kept.lists[c].size() < kKept) {
+      kept.lists[c].push_back(block);
       return;
     }
   }
@@ -48,10 +52,10 @@ struct KeepingAllocator final : c10::Allocator {
     const int c = size_class(bytes);
     void* block = nullptr;
     if (c >= 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!kept[c].empty()) {
-        block = kept[c].back();
-        kept[c].pop_back();
+      std::lock_guard<std::mutex> lock(kept.mu);
+      if (!kept.lists[c].empty()) {
+        block = kept.lists[c].back();
+        kept.lists[c].pop_back();
       }
     }
     if (block == nullptr) block = c10::alloc_cpu(kHeader + (c >= 0 ? size_t(64) << c : bytes));
@@ -63,13 +67,13 @@ struct KeepingAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 };
 
-KeepingAllocator allocator;
+KeepingAllocator& allocator = *new KeepingAllocator;   // (never destroyed either)
 
 // Makes it the CPU allocator of the process (tensors allocated before keep their own deleter). A forked child may
 // have been forked while another thread held the lock: it starts with a fresh one.
 void keep_freed_cpu_memory() {
   static const bool installed = [] {
-    pthread_atfork(nullptr, nullptr, [] { new (&mu) std::mutex(); });
+    pthread_atfork(nullptr, nullptr, [] { new (&kept.mu) std::mutex(); });
     c10::SetCPUAllocator(&allocator, /*priority=*/1);
     return true;
   }();
