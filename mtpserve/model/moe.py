@@ -21,17 +21,9 @@ DENSE_MAX_TOKENS = 16
 
 
 def _few_rows_in_cpu_graph(x: torch.Tensor) -> bool:
-    """A CPU graph over at most SMALL_BMM_ROWS tokens: there the router's small product and top-k, written as
-    broadcasts and sums, fuse into inductor's kernels, where ATen calls (MKL's GEMM, topk) cost more than their work
-    (and a row's sum does not depend on how many rows the step has)."""
-    return (torch.compiler.is_compiling() and x.device.type == "cpu"
-            and statically_known_true(x.shape[0] <= SMALL_BMM_ROWS))
-
-
-def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:   # [N, H], [E, H] -> [N, E] in fp32
-    if _few_rows_in_cpu_graph(x):
-        return (x.float().unsqueeze(1) * weight.float()).sum(-1)
-    return F.linear(x.float(), weight.float())
+    """A CPU graph over at most SMALL_BMM_ROWS tokens: there the router's product and top-k as broadcasts and sums
+    fuse into inductor's kernels, where ATen calls (MKL's GEMM, topk) cost more than their work."""
+    return torch.compiler.is_compiling() and x.device.type == "cpu" and statically_known_true(len(x) <= SMALL_BMM_ROWS)
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -57,7 +49,8 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (weights [N, k], expert ids [N, k])."""
         cfg = self.cfg
-        logits = _router_logits(x, self.weight)
+        x32, w32 = x.float(), self.weight.float()   # (a fused sum: a row's logits do not depend on the other rows)
+        logits = (x32.unsqueeze(1) * w32).sum(-1) if _few_rows_in_cpu_graph(x) else F.linear(x32, w32)
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores
         if cfg.topk_method == "noaux_tc":
