@@ -122,11 +122,15 @@ def small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm, except for a small bf16/fp16 product in a CPU graph (a verify step's attention at small batch):
     a broadcast product summed over the shared dimension, which inductor fuses with its neighbours into one
     kernel. fp32 products go to MKL, as fp32 linears do (the A/Bs are in docs/history.md)."""
-    # (statically_known_true: a graph with a dynamic batch takes bmm unless every batch it serves is small)
-    if (torch.compiler.is_compiling() and a.device.type == "cpu" and a.dtype != torch.float32
-            and statically_known_true(a.shape[0] * a.shape[1] <= SMALL_BMM_ROWS)):
+    if a.dtype != torch.float32 and few_rows_in_cpu_graph(a, a.shape[0] * a.shape[1]):
         return (a.unsqueeze(-1) * b.unsqueeze(1)).sum(2)
     return torch.bmm(a, b)
+
+
+def few_rows_in_cpu_graph(t: torch.Tensor, rows) -> bool:
+    """Compiling a CPU graph over at most SMALL_BMM_ROWS rows, where products and reductions written as broadcast
+    sums fuse into inductor's kernels (statically_known_true: a graph with a dynamic batch counts as many rows)."""
+    return torch.compiler.is_compiling() and t.device.type == "cpu" and statically_known_true(rows <= SMALL_BMM_ROWS)
 
 
 def _latent_kernel(rows: torch.Tensor, keys: torch.Tensor) -> bool:

@@ -2,10 +2,9 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mtpserve.config import ModelConfig
-from mtpserve.model.attention import SMALL_BMM_ROWS
+from mtpserve.model.attention import SMALL_BMM_ROWS, few_rows_in_cpu_graph
 from mtpserve.model.fp8 import Fp8Weight
 from mtpserve.model.int8 import Int8Weight
 from mtpserve.model.layers import MLP, by_columns, linear, silu_and_mul
@@ -20,15 +19,9 @@ FEW_CHOICES = 8
 DENSE_MAX_TOKENS = 16
 
 
-def _few_rows_in_cpu_graph(x: torch.Tensor) -> bool:
-    """A CPU graph over at most SMALL_BMM_ROWS tokens: there the router's product and top-k as broadcasts and sums
-    fuse into inductor's kernels, where ATen calls (MKL's GEMM, topk) cost more than their work."""
-    return torch.compiler.is_compiling() and x.device.type == "cpu" and statically_known_true(len(x) <= SMALL_BMM_ROWS)
-
-
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the k largest of each row [N, E] -> [N, k], largest first."""
-    if _few_rows_in_cpu_graph(scores) and scores.shape[-1] <= SMALL_BMM_ROWS:
+    if few_rows_in_cpu_graph(scores, len(scores)) and scores.shape[-1] <= SMALL_BMM_ROWS:   # (no ATen topk call)
         # each index's rank: the scores above it (ties: lower indices first). [0.1 0.7 0.3] -> ranks [2 0 1]; top 2:
         # the index of rank 0, then of rank 1 -> [1 2]
         index = torch.arange(scores.shape[-1], device=scores.device)
@@ -50,7 +43,7 @@ class Gate(nn.Module):
         """x: [N, hidden] -> (weights [N, k], expert ids [N, k])."""
         cfg = self.cfg
         x32, w32 = x.float(), self.weight.float()   # (a fused sum: a row's logits do not depend on the other rows)
-        logits = (x32.unsqueeze(1) * w32).sum(-1) if _few_rows_in_cpu_graph(x) else F.linear(x32, w32)
+        logits = (x32.unsqueeze(1) * w32).sum(-1) if few_rows_in_cpu_graph(x, len(x)) else F.linear(x32, w32)
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores
         if cfg.topk_method == "noaux_tc":
