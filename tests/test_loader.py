@@ -171,7 +171,9 @@ def test_missing_mtp_tensor_named_by_its_checkpoint_key(ckpt, tmp_path):
     assert key in str(err.value)
 
 
-def test_mtp_without_own_embed_and_head_uses_main(ckpt, ckpt_logits, tmp_path):
+def test_mtp_without_own_embed_and_head_uses_main(ckpt, tmp_path):
+    """The slim checkpoint loads as the full one, bit for bit (so it computes the same logits: comparing logits of
+    two loads bit for bit flaked once in CI at the 1e-4 level, GEMM rounding)."""
     path, cfg = ckpt
     num_layers = cfg["num_hidden_layers"]
     tensors = read_safetensors(path)
@@ -181,8 +183,9 @@ def test_mtp_without_own_embed_and_head_uses_main(ckpt, ckpt_logits, tmp_path):
     slim = load_model(copy_ckpt(path, str(tmp_path / "slim"), tensors=tensors))
     assert slim.mtp_layers[0].embed_tokens.weight is slim.model.embed_tokens.weight
     assert slim.mtp_layers[0].shared_head.head.weight is slim.lm_head.weight
-    for x, y in zip(logits_of(slim), ckpt_logits):
-        assert torch.equal(x, y)
+    full, mine = load_model(path).state_dict(), slim.state_dict()
+    assert full.keys() == mine.keys()
+    assert all(torch.equal(full[k], mine[k]) for k in full)
 
 
 def test_mtp_own_head_and_embed_are_used_when_different(ckpt, tmp_path):
