@@ -1,6 +1,7 @@
 """mtpserve's own CPU kernels (model/csrc/): built on a CPU with AVX512-BF16. bf16_linear: the fp32 sums of a bf16
 product rounded once, a row's bits independent of the batch around it, the same in a CPU graph as eagerly.
 latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits.
+int8_linear: bf16_linear's checks, for int8 weights with a scale per row.
 The CPU allocator that keeps freed tensor memory: blocks reused by size class, aligned, data kept intact."""
 import pytest
 import torch
@@ -61,9 +62,10 @@ def test_bf16_linear_reads_a_strided_weight_and_rows_as_the_batch_leaves_them():
                        cpu_kernels.bf16_linear(columns.contiguous(), stacked[:, 3]))
 
 
-def test_a_cpu_graph_runs_the_kernel_as_eager_mode_does():
-    """layers.linear sends bf16 products of up to FEW_ROWS rows to the kernel, eagerly and inside an inductor graph
-    (C++ wrapper, as graph mode compiles): the same bits both ways."""
+def test_a_cpu_graph_runs_the_kernels_as_eager_mode_does():
+    """layers.linear sends bf16 and int8 products of up to FEW_ROWS rows to the kernels, eagerly and inside an
+    inductor graph (C++ wrapper, as graph mode compiles): the same bits both ways."""
+    from mtpserve.model.int8 import quantize_rows
     from mtpserve.model.layers import FEW_ROWS, linear
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(300, 128, generator=gen).bfloat16()
@@ -72,10 +74,56 @@ def test_a_cpu_graph_runs_the_kernel_as_eager_mode_does():
     def mlp(x):
         return F.silu(linear(x, w)) * 2
 
+    q = quantize_rows(w.float(), torch.bfloat16)
+
+    def int8_mlp(x):
+        return F.silu(linear(x, q)) * 2
+
     compiled = torch.compile(mlp, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+    int8_compiled = torch.compile(int8_mlp, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
     for rows in (1, 3, FEW_ROWS):
         assert torch.equal(compiled(x[:rows]), mlp(x[:rows]))
         assert torch.equal(mlp(x[:rows]), F.silu(cpu_kernels.bf16_linear(x[:rows], w)) * 2)
+        assert torch.equal(int8_compiled(x[:rows]), int8_mlp(x[:rows]))
+        assert torch.equal(int8_mlp(x[:rows]), F.silu(cpu_kernels.int8_linear(x[:rows], q.data, q.scale)) * 2)
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 512, 256), (3, 4099, 256), (8, 100, 37), (5, 3, 300)])
+def test_int8_linear_is_the_scaled_fp32_sum_rounded_once(rows, out_features, in_features):
+    from mtpserve.model.int8 import quantize_rows
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    w = quantize_rows(torch.randn(out_features, in_features, generator=gen), torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    ours = cpu_kernels.int8_linear(x, w.data, w.scale)
+    exact = (F.linear(x.double(), w.data.double()) * w.scale.double()).bfloat16()   # (fp64, rounded once)
+    apart = _bits_apart(ours, exact)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, out_features)
+    assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
+
+
+def test_int8_linear_gives_a_row_the_same_bits_in_any_batch_and_reads_an_experts_weight_in_place():
+    """As bf16_linear: a row alone or in a batch, on one thread or two; an expert's down projection and its scales
+    read in place (MoE.fuse stacks int8 experts expert-major and views them [H, E, I], scales [H, E])."""
+    gen = torch.Generator().manual_seed(0)
+    stacked = torch.randint(-127, 128, (8, 96, 64), dtype=torch.int8, generator=gen).movedim(0, 1)   # [H, E, I]
+    scales = (torch.rand(96, 8, generator=gen) / 100).bfloat16()
+    w, s = stacked[:, 3], scales[:, 3]
+    assert s.stride(0) == 8
+    x = torch.randn(6, 64, generator=gen).bfloat16()
+    together = cpu_kernels.int8_linear(x, w, s)
+    assert torch.equal(together, cpu_kernels.int8_linear(x, w.contiguous(), s.contiguous()))
+    for r in range(6):
+        assert torch.equal(cpu_kernels.int8_linear(x[r:r + 1], w, s), together[r:r + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        big = torch.randint(-127, 128, (4096, 256), dtype=torch.int8, generator=gen)
+        big_scales, rows = torch.rand(4096, generator=gen).bfloat16(), torch.randn(3, 256, generator=gen).bfloat16()
+        split = cpu_kernels.int8_linear(rows, big, big_scales)
+        torch.set_num_threads(1)
+        assert torch.equal(split, cpu_kernels.int8_linear(rows, big, big_scales))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _attention_in_fp64(q, keys, mask, scale, value_dim):
@@ -153,27 +201,31 @@ def test_freed_cpu_tensor_memory_is_handed_out_again_by_size_class_and_large_blo
     assert int(large.sum()) == 2 << 20
 
 
-def test_a_bf16_engine_runs_its_few_row_linears_in_the_kernel_and_mtp_stays_lossless(tmp_path, monkeypatch):
-    """A bf16 engine on the CPU loads the kernels with its weights; its decode and verify steps' linears and
-    attention run in them (a verify step's rows get a plain step's bits, row by row), and greedy MTP gives the
-    tokens of no MTP."""
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_bf16_engine_runs_its_few_row_linears_in_the_kernel_and_mtp_stays_lossless(tmp_path, monkeypatch,
+                                                                                    quantization):
+    """A bf16 engine on the CPU loads the kernels with its weights; its decode and verify steps' linears (int8 ones
+    too) and attention run in them (a verify step's rows get a plain step's bits, row by row), and greedy MTP gives
+    the tokens of no MTP."""
     from mtpserve import LLM, SamplingParams
     from tiny_models import trained_checkpoint
     ckpt = trained_checkpoint(tmp_path / "ckpt", num_mtp_layers=1)
-    calls, attended = [], []
-    original, attention = cpu_kernels.bf16_linear, cpu_kernels.latent_attention
+    calls, int8_calls, attended = [], [], []
+    original, int8_original, attention = cpu_kernels.bf16_linear, cpu_kernels.int8_linear, cpu_kernels.latent_attention
     monkeypatch.setattr(cpu_kernels, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or original(x, w))
+    monkeypatch.setattr(cpu_kernels, "int8_linear", lambda x, *w: int8_calls.append(x.shape[0]) or int8_original(x, *w))
     monkeypatch.setattr(cpu_kernels, "latent_attention", lambda *a: attended.append(a[0].shape) or attention(*a))
     prompts = [[5, 8, 11], [20, 21, 22, 23, 24, 25, 26], [30, 32]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     outs = {}
     for name, s in (("plain", None), ("mtp", spec)):
-        calls.clear(), attended.clear()
-        llm = LLM(ckpt, dtype="bfloat16", speculative_config=s, enforce_eager=True)
+        calls.clear(), int8_calls.clear(), attended.clear()
+        llm = LLM(ckpt, dtype="bfloat16", quantization=quantization, speculative_config=s, enforce_eager=True)
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                                    use_tqdm=False)]
         assert calls and max(calls) <= 8   # (prompt chunks and verify steps of more rows: PyTorch's GEMMs)
+        assert (int8_calls and max(int8_calls) <= 8) if quantization else not int8_calls
         assert attended and max(b * rows for b, rows, _ in attended) <= 64   # (more rows: oneDNN's bmm)
         if s:
             assert llm.get_metrics()["acceptance_rate"] > 0.3
