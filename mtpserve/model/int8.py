@@ -1,7 +1,7 @@
 """Weight-only int8 on the CPU (`quantization="int8"`): linear and expert weights stored as int8 with one scale
 per output channel, multiplied by PyTorch's int8 weight-only kernel (torch.ops.aten._weight_int8pack_mm, the
-kernel gpt-fast's int8 mode uses), which reads the int8 weight and scales each output column; the 1-8 rows of a
-decode or verify step by ours where it is loaded (layers.linear, csrc/int8_linear.cpp).
+kernel gpt-fast's int8 mode uses), which reads the int8 weight and scales each output column; with bf16
+activations on a CPU where our kernels load, by ours (model/csrc/int8_linear.cpp), at any number of rows.
 
 Quantized as the checkpoint loads (from bf16/fp32 weights; an FP8 checkpoint's weights are dequantized first):
 row r of W [out, in] becomes round(W[r] / s[r]) in [-127, 127], s[r] = max|W[r]| / 127. Row 0 = [0.5, -1.27, 0.02]:
@@ -13,6 +13,8 @@ Activations are bf16 or fp16: the kernel has no fast fp32 path on the CPU.
 from dataclasses import dataclass
 
 import torch
+
+from mtpserve.model import cpu_kernels
 
 
 @dataclass
@@ -53,6 +55,9 @@ def set_int8(linear: torch.nn.Linear, w: Int8Weight) -> None:
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T with W in int8: [..., out]."""
     flat = x.reshape(-1, x.shape[-1])
-    # (the kernel reads the scales as contiguous, whatever their strides)
-    out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), w.data, w.scale.contiguous()).view(*x.shape[:-1], -1)
+    if flat.device.type == "cpu" and flat.dtype == w.scale.dtype == torch.bfloat16 and cpu_kernels.LOADED:
+        out = cpu_kernels.int8_linear(flat, w.data, w.scale)
+    else:   # (ATen's kernel reads the scales as contiguous, whatever their strides)
+        out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), w.data, w.scale.contiguous())
+    out = out.view(*x.shape[:-1], -1)
     return out if bias is None else out + bias

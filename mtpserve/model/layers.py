@@ -48,22 +48,19 @@ FEW_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except on the CPU for 1-8 rows and a weight stored row by row (bf16, int8): our kernels where they
-    are loaded (model/cpu_kernels.py), else in a graph one reduction per row, which inductor fuses into one kernel
-    that reads the weight once (MKL's x @ weight.T repacks the whole weight on every call). fp32 weights are stored
-    by columns (`by_columns`): F.linear reads them as they lie. Other int8 products: model/int8.py."""
+    """F.linear, except on the CPU for 1-8 rows and a weight stored row by row (bf16): our kernel where it is
+    loaded (model/cpu_kernels.py), else in a graph one reduction per row, which inductor fuses into one kernel that
+    reads the weight once (MKL's x @ weight.T repacks the whole weight on every call). fp32 weights are stored by
+    columns (`by_columns`): F.linear reads them as they lie."""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):   # FP8 in memory: dequantized for this product only
         weight = weight.dequantize(x.dtype)
-    int8, rows = isinstance(weight, Int8Weight), x.shape[0]
+    rows = x.shape[0]
     # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
-    few = (x.dim() == 2 and x.device.type == "cpu" and (weight.data if int8 else weight).stride(-1) == 1
-           and statically_known_true(0 < rows) and statically_known_true(rows <= FEW_ROWS))
-    ours = few and x.dtype == torch.bfloat16 and cpu_kernels.LOADED   # (our kernels take bf16 activations)
-    if int8 and ours and weight.scale.dtype == torch.bfloat16:
-        out = cpu_kernels.int8_linear(x, weight.data, weight.scale)
-    elif int8:
-        return int8_linear(x, weight, bias)
-    elif ours and weight.dtype == torch.bfloat16:
+    few = x.dim() == 2 and x.device.type == "cpu" and weight.stride(-1) == 1 and statically_known_true(0 < rows) \
+        and statically_known_true(rows <= FEW_ROWS)
+    if few and x.dtype == weight.dtype == torch.bfloat16 and cpu_kernels.LOADED:
         out = cpu_kernels.bf16_linear(x, weight)
     elif few and torch.compiler.is_compiling():
         out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])

@@ -1,6 +1,6 @@
-// bf16 x [M, K] times an int8 weight stored by rows [N, K] with one scale per row [N] -> bf16 [M, N], for the few
-// rows of a decode or verify step (weight-only int8, model/int8.py). x and the weight are widened to fp32 16 values
-// at a time and multiplied in fp32; each sum is scaled and rounded once:
+// bf16 x [M, K] times an int8 weight stored by rows [N, K] with one scale per row [N] -> bf16 [M, N] (weight-only
+// int8, model/int8.py), for any number of rows. x and the weight are widened to fp32 16 values at a time and
+// multiplied in fp32; each sum is scaled and rounded once:
 //     w[n] = [50 -127 2], s[n] = 0.01, x[m] = [1 1 1]  ->  y[m, n] = bf16(0.01 * (50 - 127 + 2)) = -0.75
 // Eight weight rows at a time, read once from memory for all M rows (as bf16_linear.cpp), each 16 values widened
 // once for up to three rows of x. An output depends on its own row of x only: a row gives the same bits alone or in
@@ -100,8 +100,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "int8_linear: rows must be contiguous");
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
-  // torch's threads split the weight by blocks, each thread's share at least kShareBytes (one thread below that)
-  const int64_t blocks = (N + kBlock - 1) / kBlock, grain = std::max<int64_t>(1, kShareBytes / (kBlock * K));
+  // torch's threads split the weight by blocks, each thread's share at least kShareBytes read per tile of rows
+  // (one thread below that)
+  const int64_t blocks = (N + kBlock - 1) / kBlock, tiles = (M + kTile - 1) / kTile;
+  const int64_t grain = std::max<int64_t>(1, kShareBytes / (kBlock * K * tiles));
   at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
     rows_times_int8(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), weight.data_ptr<int8_t>(),
                     weight.stride(0), scale.data_ptr<at::BFloat16>(), scale.stride(0), y.data_ptr<at::BFloat16>(),
