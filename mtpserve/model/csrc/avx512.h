@@ -1,4 +1,5 @@
-// What the CPU kernels share: the target they are compiled for, a masked load, a four-way sum.
+// What the CPU kernels share: the target they are compiled for, the linear kernels' block and thread share, a
+// masked load, a four-way sum.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
@@ -8,6 +9,8 @@
 namespace {
 
 constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
+constexpr int64_t kBlock = 8;    // weight rows the linear kernels read together
+constexpr int64_t kShareBytes = 256 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
 
 // p[0..31] as bf16, zeros past `left` values
 AVX512_BF16 inline __m512bh load32(const uint16_t* p, int64_t left) {

@@ -13,9 +13,6 @@
 
 namespace {
 
-constexpr int64_t kBlock = 8;    // weight rows read together
-constexpr int64_t kShareBytes = 256 << 10;
-
 // y[:, begin:end] for weight rows begin..end-1
 AVX512_BF16 void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
                                    at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {

@@ -10,14 +10,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <vector>
 
 #include "avx512.h"
 
 namespace {
 
-constexpr int64_t kBlock = 8;    // weight rows read together
-constexpr int64_t kShareBytes = 256 << 10;   // (as bf16_linear.cpp)
 constexpr int64_t kFloats = 16;  // fp32 values in a 512-bit register
 constexpr int64_t kTile = 3;     // rows of x multiplied together (3 x 8 sums in registers)
 
