@@ -1,7 +1,7 @@
 """mtpserve's own CPU kernels (model/csrc/): built on a CPU with AVX512-BF16. bf16_linear: the fp32 sums of a bf16
 product rounded once, a row's bits independent of the batch around it, the same in a CPU graph as eagerly.
 latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits.
-int8_linear: bf16_linear's checks, for int8 weights with a scale per row.
+int8_linear: bf16_linear's checks, for int8 weights with a scale per row; bf16_bmm and fp32_linear the same.
 The CPU allocator that keeps freed tensor memory: blocks reused by size class, aligned, data kept intact."""
 import pytest
 import torch
@@ -128,6 +128,24 @@ def test_int8_linear_gives_a_row_the_same_bits_in_any_batch_and_reads_an_experts
         torch.set_num_threads(threads)
 
 
+def test_bf16_bmm_is_bf16_linear_per_batch_entry_and_fp32_linear_the_fp32_sum():
+    """bf16_bmm (MLA's per-head projections): entry b is bf16_linear(x[b], weight[b]), for x a strided view as the
+    heads leave it. fp32_linear (the router): within fp32 rounding of the fp64 sum. Both give a row the same bits
+    alone or in any batch."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 8, 48, generator=gen).bfloat16()[..., :32]   # [N, H, 32] of a wider row
+    w = torch.randn(8, 40, 32, generator=gen).bfloat16()            # [H, out, in]
+    heads = cpu_kernels.bf16_bmm(q.transpose(0, 1), w)
+    for h in range(8):
+        assert torch.equal(heads[h], cpu_kernels.bf16_linear(q[:, h].contiguous(), w[h]))
+    assert torch.equal(cpu_kernels.bf16_bmm(q[:1].transpose(0, 1), w), heads[:, :1])
+    x, router = torch.randn(37, 300, generator=gen), torch.randn(9, 300, generator=gen)
+    logits = cpu_kernels.fp32_linear(x, router)
+    assert (logits.double() - F.linear(x.double(), router.double())).abs().max() < 1e-4
+    for r in (0, 17, 36):
+        assert torch.equal(cpu_kernels.fp32_linear(x[r:r + 1], router), logits[r:r + 1])
+
+
 def _attention_in_fp64(q, keys, mask, scale, value_dim):
     rows_per_mask_row = q.shape[1] // mask.shape[1]
     scores = (q.double() @ keys.double().transpose(1, 2)) * scale
@@ -204,32 +222,37 @@ def test_freed_cpu_tensor_memory_is_handed_out_again_by_size_class_and_large_blo
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_a_bf16_engine_runs_its_few_row_linears_in_the_kernel_and_mtp_stays_lossless(tmp_path, monkeypatch,
-                                                                                    quantization):
-    """A bf16 engine on the CPU loads the kernels with its weights; its decode and verify steps' linears and
-    attention run in them (a verify step's rows get a plain step's bits, row by row), int8 products at any number of
-    rows, and greedy MTP gives the tokens of no MTP."""
+def test_a_bf16_engine_runs_its_few_row_linears_in_the_kernel_and_mtp_keeps_every_bit(tmp_path, monkeypatch,
+                                                                                     quantization):
+    """A bf16 engine on the CPU loads the kernels with its weights; its decode and verify steps' linears, absorbed
+    projections and attention run in them (a verify step's rows get a plain step's bits, row by row), int8 products
+    at any number of rows, and MTP gives the tokens and the logprobs of no MTP to the bit. Two requests at a time of
+    three with different lengths: the third's prompt arrives beside the first's decode rows (a mixed step)."""
     from mtpserve import LLM, SamplingParams
     from tiny_models import trained_checkpoint
     ckpt = trained_checkpoint(tmp_path / "ckpt", num_mtp_layers=1)
-    calls, int8_calls, attended = [], [], []
-    original, int8_original, attention = cpu_kernels.bf16_linear, cpu_kernels.int8_linear, cpu_kernels.latent_attention
-    monkeypatch.setattr(cpu_kernels, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or original(x, w))
-    monkeypatch.setattr(cpu_kernels, "int8_linear", lambda x, *w: int8_calls.append(x.shape[0]) or int8_original(x, *w))
-    monkeypatch.setattr(cpu_kernels, "latent_attention", lambda *a: attended.append(a[0].shape) or attention(*a))
-    prompts = [[5, 8, 11], [20, 21, 22, 23, 24, 25, 26], [30, 32]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    calls, int8_calls, attended, per_head = [], [], [], []
+    originals = cpu_kernels.bf16_linear, cpu_kernels.int8_linear, cpu_kernels.latent_attention, cpu_kernels.bf16_bmm
+    monkeypatch.setattr(cpu_kernels, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or originals[0](x, w))
+    monkeypatch.setattr(cpu_kernels, "int8_linear", lambda x, *w: int8_calls.append(x.shape[0]) or originals[1](x, *w))
+    monkeypatch.setattr(cpu_kernels, "latent_attention", lambda *a: attended.append(a[0].shape) or originals[2](*a))
+    monkeypatch.setattr(cpu_kernels, "bf16_bmm", lambda x, w: per_head.append(x.shape) or originals[3](x, w))
+    prompts = [[5, 8, 11], [20, 21, 22, 23, 24, 25, 26], [30, 32, 34, 36, 38, 40, 42, 44, 46, 31, 33, 35]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (9, 24, 16)]
     spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     outs = {}
     for name, s in (("plain", None), ("mtp", spec)):
-        calls.clear(), int8_calls.clear(), attended.clear()
-        llm = LLM(ckpt, dtype="bfloat16", quantization=quantization, speculative_config=s, enforce_eager=True)
-        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                                   use_tqdm=False)]
+        calls.clear(), int8_calls.clear(), attended.clear(), per_head.clear()
+        llm = LLM(ckpt, dtype="bfloat16", quantization=quantization, speculative_config=s, enforce_eager=True,
+                  max_num_seqs=2)
+        done = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outs[name] = [(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in e.items()] 
+                                                 for e in o.outputs[0].logprobs])
+                      for o in done]
         assert calls and max(calls) <= 8   # (prompt chunks and verify steps of more rows: PyTorch's GEMMs)
-        # (int8: every product, a decode step's rows and a prompt's 12 tokens alike)
-        assert (int8_calls and min(int8_calls) <= 3 and max(int8_calls) >= 12) if quantization else not int8_calls
-        assert attended and max(b * rows for b, rows, _ in attended) <= 64   # (more rows: oneDNN's bmm)
+        # (int8: every product, a decode step's rows and two prompts' 10 tokens alike)
+        assert (int8_calls and min(int8_calls) <= 3 and max(int8_calls) >= 10) if quantization else not int8_calls
+        assert attended and per_head and min(rows for _, rows, _ in per_head) == 1
         if s:
             assert llm.get_metrics()["acceptance_rate"] > 0.3
     assert outs["mtp"] == outs["plain"]

@@ -1,10 +1,9 @@
 """Multi-head latent attention (MLA) over a paged cache of compressed latents.
 
-The cache of one layer is a tensor [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: per token the
-normalized latent c and the rotated shared rope key. A batch is flat (all query tokens of all requests
-concatenated); `AttentionMetadata` says which tokens belong to which request, where their KV goes and how
-long each request's KV is after this step. Slot -1 means "do not keep": it lands in the last row of the
-cache, which belongs to a block the engine never hands out.
+The cache of one layer is a tensor [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: per token the normalized
+latent c and the rotated shared rope key. A batch is flat (all query tokens of all requests concatenated);
+`AttentionMetadata` says which tokens belong to which request, where their KV goes and how long each request's KV is
+after this step. Slot -1 means "do not keep": it lands in the last row of the cache, in a block never handed out.
 
 Two exact forms of the same attention:
 - expanded: keys/values are expanded per head from the latent (cheap when many queries share the keys);
@@ -133,11 +132,9 @@ def few_rows_in_cpu_graph(t: torch.Tensor, rows) -> bool:
     return torch.compiler.is_compiling() and t.device.type == "cpu" and statically_known_true(rows <= SMALL_BMM_ROWS)
 
 
-def _latent_kernel(rows: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Absorbed attention of a few query rows in all (batch x heads x query tokens, as small_bmm counts them) in bf16
-    on the CPU runs our kernel (model/cpu_kernels.py), eagerly and in graphs; more rows take oneDNN's bmm."""
-    return (rows.device.type == "cpu" and rows.dtype == keys.dtype == torch.bfloat16 and cpu_kernels.LOADED
-            and statically_known_true(rows.shape[0] * rows.shape[1] <= SMALL_BMM_ROWS))
+def _bf16_kernels(x: torch.Tensor, other: torch.Tensor) -> bool:
+    """bf16 on the CPU: our kernels (model/cpu_kernels.py) at any number of rows, each row's bits its own."""
+    return x.device.type == "cpu" and x.dtype == other.dtype == torch.bfloat16 and cpu_kernels.LOADED
 
 
 def dense_metadata(batch: int, seq_len: int, device) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -176,10 +173,10 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
         self.mode = "auto"       # "auto" | "absorbed" | "expanded"
-        # set by fuse() for inference: the two projections of x as one GEMM; W_UK, W_UV laid out for bmm
+        # set by fuse() for inference: the two projections of x as one GEMM; W_UK, W_UV stored [heads, out, in]
         self.x_proj: torch.Tensor | None = None
-        self.w_uk: torch.Tensor | None = None     # [H, nope, r]
-        self.w_uv_t: torch.Tensor | None = None   # [H, r, v]
+        self.w_uk_t: torch.Tensor | None = None   # [H, r, nope]
+        self.w_uv: torch.Tensor | None = None     # [H, v, r]
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -187,7 +184,7 @@ class MLAttention(nn.Module):
         if first.bias is None and self.kv_a_proj_with_mqa.bias is None:
             self.x_proj = share_storage([first, self.kv_a_proj_with_mqa])
         w_uk, w_uv = self._absorbed_weights()
-        self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
+        self.w_uk_t, self.w_uv = w_uk.transpose(1, 2).contiguous(), w_uv.contiguous()
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
@@ -264,7 +261,7 @@ class MLAttention(nn.Module):
             query = to_padded(torch.cat([q_latent, q_pe], dim=-1))           # [B, H, max_q, r + rope]
             # One latent key/value per token, shared by every head: heads become extra query rows (MQA).
             rows = query.reshape(batch, -1, query.shape[-1])
-            if _latent_kernel(rows, keys):
+            if _bf16_kernels(rows, keys):
                 out = cpu_kernels.latent_attention(rows, keys, meta.mask.squeeze(1).contiguous(), self.scale,
                                                    self.kv_lora_rank)
             else:
@@ -286,11 +283,18 @@ class MLAttention(nn.Module):
         return from_padded(out[..., :self.v_dim])                              # [N, H, v]
 
     def _absorb_queries(self, q_nope: torch.Tensor) -> torch.Tensor:   # [N, H, nope] -> [N, H, r]
-        if self.w_uk is None:
+        if self.w_uk_t is None:
             return torch.einsum("nhd,hdr->nhr", q_nope, self._absorbed_weights()[0])
-        return small_bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        return per_head(q_nope, self.w_uk_t)
 
     def _absorb_values(self, out: torch.Tensor) -> torch.Tensor:       # [N, H, r] -> [N, H, v]
-        if self.w_uv_t is None:
+        if self.w_uv is None:
             return torch.einsum("nhr,hvr->nhv", out, self._absorbed_weights()[1])
-        return small_bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        return per_head(out, self.w_uv)
+
+
+def per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, H, in] times each head's weight [H, out, in] -> [N, H, out]."""
+    if _bf16_kernels(x, weight):
+        return cpu_kernels.bf16_bmm(x.transpose(0, 1), weight).transpose(0, 1)
+    return small_bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)

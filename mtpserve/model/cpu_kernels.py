@@ -22,7 +22,7 @@ def load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
         sources = [os.path.join(os.path.dirname(__file__), "csrc", name)
-                   for name in ("bf16_linear.cpp", "int8_linear.cpp", "latent_attention.cpp", "cpu_allocator.cpp")]
+                   for name in ("bf16_linear.cpp", "fp32_sums_linear.cpp", "latent_attention.cpp", "cpu_allocator.cpp")]
         build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
@@ -30,8 +30,12 @@ def load() -> bool:
         return False
     torch.library.register_fake("mtpserve_cpu::bf16_linear")(
         lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
+    torch.library.register_fake("mtpserve_cpu::bf16_bmm")(
+        lambda x, weight: x.new_empty(x.shape[0], x.shape[1], weight.shape[1]))
     torch.library.register_fake("mtpserve_cpu::int8_linear")(
         lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]))
+    torch.library.register_fake("mtpserve_cpu::fp32_linear")(
+        lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
         lambda q, keys, mask, scale, value_dim: q.new_empty(q.shape[0], q.shape[1], value_dim))
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
@@ -44,10 +48,20 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mtpserve_cpu.bf16_linear(x if x.stride(-1) == 1 else x.contiguous(), weight)
 
 
+def bf16_bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [B, M, K] @ weight [B, N, K].transpose(1, 2) in bf16, each x[b] by weight[b] as bf16_linear."""
+    return torch.ops.mtpserve_cpu.bf16_bmm(x if x.stride(-1) == 1 else x.contiguous(), weight)
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """bf16 x [M, K] @ (int8 weight [N, K] * scale [N, 1]).T (fp32 sums, scaled and rounded once):
-    csrc/int8_linear.cpp."""
+    csrc/fp32_sums_linear.cpp."""
     return torch.ops.mtpserve_cpu.int8_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, scale)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x [M, K] @ weight [N, K].T, each output one fp32 FMA sum: csrc/fp32_sums_linear.cpp."""
+    return torch.ops.mtpserve_cpu.fp32_linear(x if x.stride(-1) == 1 else x.contiguous(), weight)
 
 
 def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.config import ModelConfig
+from mtpserve.model import cpu_kernels
 from mtpserve.model.attention import SMALL_BMM_ROWS, few_rows_in_cpu_graph
 from mtpserve.model.fp8 import Fp8Weight
 from mtpserve.model.int8 import Int8Weight
@@ -14,9 +15,6 @@ from mtpserve.model.parallel import ExpertParallel, TensorParallel
 # Up to this many (token, expert) choices, every expert chosen runs on all the tokens: fewer ops than grouping
 # tokens by expert, and on small batches the per-op cost and the weight reads, not the FLOPs, dominate.
 FEW_CHOICES = 8
-# Up to this many tokens, a half-precision batch choosing at least half the experts runs all of them densely
-# (two GEMMs): cheaper than a GEMM pair per expert when weight reads and per-op costs, not FLOPs, dominate.
-DENSE_MAX_TOKENS = 16
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -31,6 +29,16 @@ def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.topk(k, dim=-1).indices
 
 
+def router_logits(x32: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
+    """x [N, hidden] @ w [E, hidden].T in fp32, a row's logits independent of the other rows on the CPU: a fused sum
+    in a graph of a few rows, else our kernel (MKL's bits for a row change with the number of rows)."""
+    if few_rows_in_cpu_graph(x32, len(x32)):
+        return (x32.unsqueeze(1) * w32).sum(-1)
+    if x32.device.type == "cpu" and cpu_kernels.LOADED:
+        return cpu_kernels.fp32_linear(x32, w32)
+    return F.linear(x32, w32)
+
+
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -42,8 +50,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (weights [N, k], expert ids [N, k])."""
         cfg = self.cfg
-        x32, w32 = x.float(), self.weight.float()   # (a fused sum: a row's logits do not depend on the other rows)
-        logits = (x32.unsqueeze(1) * w32).sum(-1) if few_rows_in_cpu_graph(x, len(x)) else F.linear(x32, w32)
+        logits = router_logits(x.float(), self.weight.float())
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores
         if cfg.topk_method == "noaux_tc":
@@ -146,12 +153,6 @@ class MoE(nn.Module):
             if x.dtype == torch.bfloat16 and not partitioned:   # (inductor takes torch._grouped_mm in bf16 only)
                 return _grouped_experts(x, weights, ids, self.w13, self.w2)
             return routed_experts(x, weights, ids, self.w13, self.w2)
-        if (not fp8 and not int8 and x.shape[0] <= DENSE_MAX_TOKENS and 2 * ids.numel() >= len(self.w13)
-                and x.dtype != torch.float32):
-            # A few tokens choosing about half the experts or more, in half precision (whose CPU GEMMs cost the
-            # same for 1 and 16 rows; fp32 ones do not): all experts as two GEMMs, weighted by the (mostly zero)
-            # routing weights.
-            return _all_experts(x, weights, ids, self.w13, self.w2)
         return _hit_experts(x, weights, ids, self.w13, self.w2)
 
     @torch.no_grad()
@@ -202,7 +203,7 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
         # is zero for the tokens that did not choose it.
         routing = torch.zeros(ids.shape[0], num_experts + 1, dtype=x.dtype, device=x.device).scatter(1, ids, weights)
         out = None
-        for expert in dict.fromkeys(ids.flatten().tolist()):
+        for expert in sorted(set(ids.flatten().tolist())):   # (a token's experts summed in the order below too)
             if expert < num_experts:
                 y = linear(silu_and_mul(linear(x, w13[expert])), w2[:, expert]) * routing[:, expert:expert + 1]
                 out = y if out is None else out + y

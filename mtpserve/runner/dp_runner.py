@@ -15,7 +15,7 @@ from mtpserve.step import MAIN, Row, StepResult, mtp_layer
 
 
 class DataParallelRunner(ModelRunner):
-    fuses_steps = False
+    fuses_steps = splits_mixed_steps = False   # (every rank runs the same passes a step)
 
     def __init__(self, *args, dp: DataParallelSync, **kwargs):
         self.dp = dp

@@ -22,6 +22,7 @@ def num_drafter_caches(cfg, spec: SpeculativeConfig | None) -> int:
 
 class ModelRunner:
     fuses_steps = True   # decode steps run as one function (spec_decode/fused.py); not under DP (dp_runner.py)
+    splits_mixed_steps = True   # prompt chunks and decode rows as two forwards (execute); not under DP
 
     def __init__(self, model, num_blocks: int, block_size: int, spec: SpeculativeConfig | None,
                  device, kv_dtype: torch.dtype, seed: int = 0, graph_batch_sizes: list[int] | None = None,
@@ -123,6 +124,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list) -> list[StepResult]:   # ScheduledRequests (step.py)
+        """A step with prompt chunks beside decode rows runs them as two forwards: a decode row's bits never depend
+        on a prompt's rows, and the decode rows can take their graph. [a: t5 d6 d7] [b: 512 prompt tokens] ->
+        forward [t5 d6 d7], then forward [b's 512 tokens]."""
+        decoding = [i for i, s in enumerate(scheduled) if s.decodes(len(s.draft_token_ids))]
+        if not self.splits_mixed_steps or len(decoding) in (0, len(scheduled)):
+            return self._execute(scheduled)
+        rest = [i for i in range(len(scheduled)) if i not in set(decoding)]
+        results = dict(zip(decoding + rest, self._execute([scheduled[i] for i in decoding])
+                           + self._execute([scheduled[i] for i in rest])))
+        return [results[i] for i in range(len(scheduled))]
+
+    def _execute(self, scheduled: list) -> list[StepResult]:
         fused_pass = fused.fused_graph(self, scheduled)
         if fused_pass is not None:
             return self._fused_step(fused_pass, scheduled)

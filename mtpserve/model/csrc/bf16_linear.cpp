@@ -2,7 +2,9 @@
 // step on a CPU with AVX512-BF16. Each output is one fp32 dot product (VDPBF16PS, 32 products an instruction)
 // rounded once to bf16. Eight weight rows at a time, each read once from memory for all M rows of x:
 //     y[m, n..n+7] = x[m] . w[n..n+7]        for m in 0..M-1, the eight rows then in L1
-// An output depends on its own row of x only: a row gives the same bits alone or in any batch.
+// Each 32 weights are loaded once for up to three rows of x. bf16_bmm: the same per batch entry (MLA's absorbed
+// projections, one per head). An output depends on its own row of x only: a row gives the same bits alone or in any
+// batch.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -13,51 +15,100 @@
 
 namespace {
 
-// y[:, begin:end] for weight rows begin..end-1
-AVX512_BF16 void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
-                                   at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
-  constexpr int64_t R = kBlock;   // the next block is prefetched while this one is read
-  int64_t n = begin;
-  for (; n + R <= end; n += R) {
-    const uint16_t* block = w + n * w_stride;
-    for (int64_t m = 0; m < M; m++) {
-      const uint16_t* xm = x + m * x_stride;
-      __m512 acc[R];
-      for (int64_t r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += kLanes) {
-        __m512bh xv = load32(xm + k, K - k);
-        for (int64_t r = 0; r < R; r++) {
-          if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * w_stride + k), _MM_HINT_T0);
-          acc[r] = _mm512_dpbf16_ps(acc[r], load32(block + r * w_stride + k, K - k), xv);
-        }
-      }
-      for (int64_t r = 0; r < R; r++) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r]);
+constexpr int64_t kTile = 3;   // rows of x multiplied together (3 x 8 sums in registers)
+
+// y[m, n..n+R-1] = x[m] . w[n..n+R-1] for T rows m of x at once: each 32 weights loaded once for the T rows
+template <int64_t R, int64_t T>
+AVX512_BF16 void tile_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t w_stride,
+                                   at::BFloat16* y, int64_t N, int64_t K, bool prefetch) {
+  __m512 acc[T][R];
+  __m512bh xv[T];
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + (T == 1 ? 0 : kLanes) <= K && k < K; k += kLanes) {   // (T = 1: the tail in this loop, masked)
+    for (int64_t t = 0; t < T; t++) xv[t] = T == 1 ? load32(x + k, K - k) : (__m512bh)_mm512_loadu_si512(x + t * x_stride + k);
+    for (int64_t r = 0; r < R; r++) {
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * w_stride + k), _MM_HINT_T0);
+      __m512bh wv = T == 1 ? load32(block + r * w_stride + k, K - k)
+                           : (__m512bh)_mm512_loadu_si512(block + r * w_stride + k);
+      for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
     }
   }
-  for (; n < end; n++) {   // the last rows, fewer than a block
-    for (int64_t m = 0; m < M; m++) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += kLanes)
-        acc = _mm512_dpbf16_ps(acc, load32(w + n * w_stride + k, K - k), load32(x + m * x_stride + k, K - k));
-      y[m * N + n] = _mm512_reduce_add_ps(acc);
+  if (k < K) {   // the last K % 32 values (masked loads: zeros past K)
+    for (int64_t t = 0; t < T; t++) xv[t] = load32(x + t * x_stride + k, K - k);
+    for (int64_t r = 0; r < R; r++) {
+      __m512bh wv = load32(block + r * w_stride + k, K - k);
+      for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
+    }
+  }
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t r = 0; r < R; r++) y[t * N + r] = _mm512_reduce_add_ps(acc[t][r]);
+}
+
+// R weight rows times every row of x, up to kTile rows of x at a time (the block in L1 after the first tile)
+template <int64_t R>
+AVX512_BF16 void block_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t w_stride,
+                                    at::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+  for (int64_t m = 0; m < M; m += kTile) {
+    const uint16_t* xm = x + m * x_stride;
+    switch (std::min(kTile, M - m)) {
+      case 1: tile_times_weight<R, 1>(xm, x_stride, block, w_stride, y + m * N, N, K, m == 0); break;
+      case 2: tile_times_weight<R, 2>(xm, x_stride, block, w_stride, y + m * N, N, K, m == 0); break;
+      default: tile_times_weight<R, kTile>(xm, x_stride, block, w_stride, y + m * N, N, K, m == 0);
     }
   }
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bf16_linear: x [M, K], weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16_linear: bf16 only");
-  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "bf16_linear: rows must be contiguous");
-  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
+// y[:, begin:end] for weight rows begin..end-1
+AVX512_BF16 void rows_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
+                                   at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t begin, int64_t end) {
+  int64_t n = begin;
+  for (; n + kBlock <= end; n += kBlock)
+    block_times_weight<kBlock>(x, x_stride, w + n * w_stride, w_stride, y + n, M, N, K);
+  for (; n < end; n++)   // the last rows, fewer than a block
+    block_times_weight<1>(x, x_stride, w + n * w_stride, w_stride, y + n, M, N, K);
+}
+
+void check(const at::Tensor& x, const at::Tensor& weight, int64_t dims) {
+  TORCH_CHECK(x.dim() == dims && weight.dim() == dims && x.size(-1) == weight.size(-1),
+              "bf16 kernel: x [(B,) M, K], weight [(B,) N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 kernel: bf16 only");
+  TORCH_CHECK(x.stride(-1) == 1 && weight.stride(-1) == 1, "bf16 kernel: rows must be contiguous");
+}
+
+// y[b] = x[b] @ weight[b].T for b in 0..B-1 (B = 1: a linear). Torch's threads split the B x N weight rows by
+// blocks, each thread's share at least kShareBytes read per tile of rows (one thread below that).
+void batched(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, int64_t B) {
+  const int64_t M = x.size(-2), N = weight.size(-2), K = x.size(-1);
+  const int64_t x_batch = B > 1 ? x.stride(0) : 0, w_batch = B > 1 ? weight.stride(0) : 0;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  // torch's threads split the weight by blocks, each thread's share at least kShareBytes (one thread below that)
-  const int64_t blocks = (N + kBlock - 1) / kBlock, grain = std::max<int64_t>(1, kShareBytes / (kBlock * K * 2));
-  at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
-    rows_times_weight(xp, x.stride(0), wp, weight.stride(0), y.data_ptr<at::BFloat16>(), M, N, K, first * kBlock,
-                      std::min(N, last * kBlock));
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t blocks = (N + kBlock - 1) / kBlock, tiles = (M + kTile - 1) / kTile;
+  const int64_t grain = std::max<int64_t>(1, kShareBytes / (kBlock * K * 2 * tiles));
+  at::parallel_for(0, B * blocks, grain, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last;) {   // blocks first..last-1, one batch entry at a time
+      const int64_t b = i / blocks, end = std::min(last, (b + 1) * blocks);
+      rows_times_weight(xp + b * x_batch, x.stride(-2), wp + b * w_batch, weight.stride(-2), yp + b * M * N, M, N, K,
+                        (i - b * blocks) * kBlock, std::min(N, (end - b * blocks) * kBlock));
+      i = end;
+    }
   });
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
+  check(x, weight, 2);
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  batched(x, weight, y, 1);
+  return y;
+}
+
+at::Tensor bf16_bmm(const at::Tensor& x, const at::Tensor& weight) {
+  check(x, weight, 3);
+  TORCH_CHECK(x.size(0) == weight.size(0), "bf16_bmm: x [B, M, K], weight [B, N, K]");
+  at::Tensor y = at::empty({x.size(0), x.size(1), weight.size(1)}, x.options());
+  batched(x, weight, y, x.size(0));
   return y;
 }
 
@@ -65,8 +116,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 TORCH_LIBRARY(mtpserve_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("bf16_bmm(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpserve_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_bmm", &bf16_bmm);
 }
