@@ -317,9 +317,10 @@ def test_fused_for_inference_equals_unfused(name, tmp_path):
 @pytest.mark.parametrize("num_tokens, experts", [(1, 8), (2, 3), (3, 8), (20, 8)])
 def test_moe_expert_paths_agree(num_tokens, experts):
     """The ways to run the routed experts (a few tokens: every chosen expert on all of them, weighted by zero
-    where not chosen; many: grouped by expert; one grouped GEMM pair; all experts densely) agree, also when
-    tokens share experts (3 experts, top-2), and the dense one is not trivially zero for the experts not chosen."""
-    from mtpserve.model.moe import _all_experts, _grouped_experts, _hit_experts
+    where not chosen; many: grouped by expert; each choice as its own GEMM pair; all experts densely) agree, also
+    when tokens share experts (3 experts, top-2), and the dense one is not trivially zero for the experts not
+    chosen."""
+    from mtpserve.model.moe import _all_experts, _chosen_pairs, _hit_experts
     gen = torch.Generator().manual_seed(num_tokens)
     hidden, inter, k = 16, 12, 2
     x = torch.randn(num_tokens, hidden, generator=gen)
@@ -332,7 +333,7 @@ def test_moe_expert_paths_agree(num_tokens, experts):
     ref = torch.stack([sum(weights[t, j] * expert(ids[t, j], t) for j in range(k)) for t in range(num_tokens)])
     assert max_diff(_hit_experts(x, weights, ids, w13, w2), ref) < 1e-4
     assert max_diff(_all_experts(x, weights, ids, w13, w2), ref) < 1e-4
-    assert max_diff(_grouped_experts(x, weights, ids, w13, w2), ref) < 1e-4   # some experts get no token
+    assert max_diff(_chosen_pairs(x, weights, ids, w13, w2), ref) < 1e-4   # some experts get no token
     assert ref.abs().max() > 1.0
     # an id of `experts` is a choice held by another rank (expert parallelism): skipped
     ids[0, 1] = experts

@@ -42,27 +42,28 @@ class MLP(nn.Module):
         self.gate_up = share_storage([self.gate_proj, self.up_proj])
 
 
-# Up to this many rows (a decode or verify step at small batch), a product by a row-major weight on the CPU reads
-# the weight once for all rows: our bf16 kernel, else in a graph one reduction per row.
+# Up to this many rows (a decode or verify step at small batch), a CPU graph without our kernels multiplies by a
+# row-major weight with one reduction per row.
 FEW_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except on the CPU for 1-8 rows and a weight stored row by row (bf16): our kernel where it is
-    loaded (model/cpu_kernels.py), else in a graph one reduction per row, which inductor fuses into one kernel that
-    reads the weight once (MKL's x @ weight.T repacks the whole weight on every call). fp32 weights are stored by
-    columns (`by_columns`): F.linear reads them as they lie."""
+    """F.linear, except on the CPU for a weight stored row by row: bf16 products in our kernel where it is loaded
+    (model/cpu_kernels.py: a row's bits its own at any number of rows, so a verify step's rows get a plain step's
+    bits), int8 ones in the int8 kernel (model/int8.py); without the kernels, in a graph of 1-8 rows one reduction
+    per row, which inductor fuses into one kernel that reads the weight once. fp32 weights are stored by columns
+    (`by_columns`): F.linear reads them as they lie."""
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):   # FP8 in memory: dequantized for this product only
         weight = weight.dequantize(x.dtype)
+    by_rows = x.dim() == 2 and x.device.type == "cpu" and weight.stride(-1) == 1
     rows = x.shape[0]
-    # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
-    few = x.dim() == 2 and x.device.type == "cpu" and weight.stride(-1) == 1 and statically_known_true(0 < rows) \
-        and statically_known_true(rows <= FEW_ROWS)
-    if few and x.dtype == weight.dtype == torch.bfloat16 and cpu_kernels.LOADED:
+    if by_rows and x.dtype == weight.dtype == torch.bfloat16 and cpu_kernels.LOADED:
         out = cpu_kernels.bf16_linear(x, weight)
-    elif few and torch.compiler.is_compiling():
+    # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
+    elif by_rows and torch.compiler.is_compiling() and statically_known_true(0 < rows) \
+            and statically_known_true(rows <= FEW_ROWS):
         out = torch.stack([(weight * x[r]).sum(-1) for r in range(rows)])
     else:
         return F.linear(x, weight, bias)

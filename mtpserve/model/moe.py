@@ -150,8 +150,6 @@ class MoE(nn.Module):
             if fp8:   # the experts hit, each dequantized as it runs
                 return routed_experts_fp8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
                                           self.w2.scale, self.w13.block)
-            if x.dtype == torch.bfloat16 and not partitioned:   # (inductor takes torch._grouped_mm in bf16 only)
-                return _grouped_experts(x, weights, ids, self.w13, self.w2)
             return routed_experts(x, weights, ids, self.w13, self.w2)
         return _hit_experts(x, weights, ids, self.w13, self.w2)
 
@@ -195,25 +193,23 @@ class MoE(nn.Module):
 def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     """Runs each expert that some token chose on those tokens only, weighted by its routing weight.
     w13: [E, 2I, H]; w2: [H, E, I]. An id of E is a choice of an expert held elsewhere (expert parallelism):
-    skipped."""
+    skipped. Every path sums a token's weighted expert outputs in fp32 in expert id order, rounded once (_sum):
+    a token's bits do not depend on the path or the other tokens."""
     num_experts = len(w13)
     if ids.numel() <= FEW_CHOICES:
         # A few tokens (decode; verify at small batch): each expert chosen by any of them runs once on all of
         # them (a GEMM of a few columns costs about what one column does), weighted by a routing weight that
         # is zero for the tokens that did not choose it.
         routing = torch.zeros(ids.shape[0], num_experts + 1, dtype=x.dtype, device=x.device).scatter(1, ids, weights)
-        out = None
-        for expert in sorted(set(ids.flatten().tolist())):   # (a token's experts summed in the order below too)
-            if expert < num_experts:
-                y = linear(silu_and_mul(linear(x, w13[expert])), w2[:, expert]) * routing[:, expert:expert + 1]
-                out = y if out is None else out + y
-        return torch.zeros_like(x) if out is None else out
+        return _sum(x, [linear(silu_and_mul(linear(x, w13[e])), w2[:, e]) * routing[:, e:e + 1]
+                        for e in sorted(set(ids.flatten().tolist())) if e < num_experts])
     # Many tokens: each expert on the tokens that chose it, gathered once in expert order (so each expert's
-    # rows are a slice), and one scatter-add of the weighted outputs at the end.
+    # rows are a slice), then put back in a grid of each token's choices in id order: [t0: e1 e5] [t1: e2 e5]
+    # -> rows e1:t0, e2:t1, e5:t0, e5:t1 -> grid [[e1 e5] [e2 e5]].
+    ids, by_id = ids.sort(-1)
     flat_ids = ids.flatten()
     order = flat_ids.argsort()
-    token_of = order // ids.shape[1]
-    chosen_x = x[token_of]
+    chosen_x = x[order // ids.shape[1]]
     outputs, start = [], 0
     for expert, count in enumerate(torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()):
         if count:
@@ -222,39 +218,37 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
             start += count
     if not outputs:
         return torch.zeros_like(x)
-    weighted = torch.cat(outputs) * weights.flatten()[order[:start]].unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, token_of[:start], weighted)
+    grid = x.new_zeros(ids.numel(), x.shape[1])
+    grid[order[:start]] = torch.cat(outputs) * weights.gather(1, by_id).flatten()[order[:start]].unsqueeze(-1)
+    return _sum(x, list(grid.view(*ids.shape, -1).unbind(1)))
+
+
+def _sum(x: torch.Tensor, terms: list[torch.Tensor]) -> torch.Tensor:
+    """A token's weighted expert outputs (in expert id order) summed in fp32, rounded once to x's dtype."""
+    if not terms:
+        return torch.zeros_like(x)
+    total = terms[0].float()
+    for term in terms[1:]:
+        total = total + term.float()
+    return total.to(x.dtype)
 
 
 def _chosen_pairs(x, weights, ids, w13, w2) -> torch.Tensor:
     """A CPU graph's few tokens: every (token, expert) choice as its own GEMM pair, the expert picked by a
     scalar read inside the graph (needs dynamo's capture_scalar_outputs). No host loop, no per-op dispatch;
     an expert two tokens chose is read twice."""
-    rows = []
+    ids, by_id = ids.sort(-1)
+    weights, rows = weights.gather(1, by_id), []
     for t in range(x.shape[0]):
-        out = None
+        terms = []
         for j in range(ids.shape[1]):
             expert = ids[t, j].item()
             torch._check(expert >= 0)
             torch._check(expert < len(w13))
             y = linear(silu_and_mul(linear(x[t:t + 1], w13.select(0, expert))), w2.select(1, expert))
-            y = y * weights[t:t + 1, j:j + 1]
-            out = y if out is None else out + y
-        rows.append(out)
+            terms.append(y * weights[t:t + 1, j:j + 1])
+        rows.append(_sum(x[t:t + 1], terms))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
-
-
-def _grouped_experts(x, weights, ids, w13, w2) -> torch.Tensor:
-    """Every (token, expert) choice as a row of one grouped GEMM pair (torch._grouped_mm), the rows sorted by
-    expert: no host loop, no host sync. Used in bf16 CPU graphs only (eagerly the loop is as fast; A/B in
-    docs/history.md)."""
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    token_of = order // ids.shape[1]
-    ends = flat.new_zeros(len(w13)).index_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
-    hidden = silu_and_mul(torch._grouped_mm(x[token_of], w13.transpose(1, 2), offs=ends))
-    out = torch._grouped_mm(hidden, w2.permute(1, 2, 0), offs=ends) * weights.flatten()[order].unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
 def _like_x(x, *args):

@@ -1,17 +1,17 @@
 """Graph mode: uniform decode/verify steps run as compiled graphs of fixed shapes.
 
-A step is uniform when every row has the same number of query tokens (1 without speculation, 1+k with it).
-Its batch is padded to the next of `graph_batch_sizes`; padding rows have KV length 0 and slot -1, so they
-never read or write real KV, and their outputs are dropped. Up to FEW_ROWS rows each size is a graph of its own
-(the few-row paths for linears and experts unroll over the rows: layers.py, moe.py); on the CPU one graph with a
-dynamic batch serves every batch above it, unpadded ("many"): sizes 1, 2, 4, 8, 16, 32 -> graphs b1, b2, b4, b8
-and one for 9-32 rows; 3 rows run as 4, 20 as 20. The block table is cut to the blocks that cover the longest
-row (the KV bucket; a power of two on CUDA), a dimension the graphs treat as dynamic: one compiled graph serves
-every KV length, and attention reads only the bucket, not all of max_model_len. Inputs are copied into static
-buffers (graph_inputs.py). On CUDA the compiled step is captured as CUDA graphs (inductor's
-cudagraph trees; one per KV bucket, recorded at warm-up; the KV caches it writes are marked static inputs); on the
-CPU it is an inductor-compiled kernel, called through the code dynamo made without dynamo's per-call hook.
-Anything else (prefill chunks, batches above the largest size) runs eagerly in the same loop.
+A step is uniform when every row has the same number of query tokens (1 without speculation, 1+k with it). Its batch is
+padded to the next of `graph_batch_sizes`; padding rows have KV length 0 and slot -1, so they never read or write real
+KV, and their outputs are dropped. Up to FEW_ROWS rows each size is a graph of its own (the few-row paths for linears
+and experts unroll over the rows: layers.py, moe.py); on the CPU one graph with a dynamic batch serves every batch above
+it, unpadded ("many"): sizes 1, 2, 4, 8, 16, 32 -> graphs b1, b2, b4, b8 and one for 9-32 rows; 3 rows run as 4, 20 as
+20. The block table is cut to the blocks that cover the longest row (the KV bucket; a power of two on CUDA), a dimension
+the graphs treat as dynamic: one compiled graph serves every KV length, and attention reads only the bucket, not all of
+max_model_len. Inputs are copied into static buffers (graph_inputs.py). On CUDA the compiled step is captured as CUDA
+graphs (inductor's cudagraph trees; one per KV bucket, recorded at warm-up; the KV caches it writes are marked static
+inputs); on the CPU it is an inductor-compiled kernel, called through the code dynamo made without dynamo's per-call
+hook. Anything else (prompt chunks, run apart from decode rows: ModelRunner.execute; batches above the largest size)
+runs eagerly in the same loop.
 
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
 queues its graph and runs eagerly until a compiler thread has built it, in compile_order (cold, in a compiler
@@ -73,6 +73,7 @@ class GraphRunner:
             "guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False,   # compile pops)
             "triton.cudagraphs": self.cuda_graphs,   # ("reduce-overhead": torch.compile takes a mode or options)
             "post_grad_custom_post_pass": lowerings_key,
+            "emulate_precision_casts": True,   # (bf16 rounded as eagerly: a row's bits whatever a graph's shape fused)
             # CPU, one process: the graph's calls made from C++ (history.md); a rank's graphs hold collectives,
             # whose process-group argument inductor's C++ wrapper cannot pass
             "cpp_wrapper": not self.cuda_graphs and not torch.distributed.is_initialized()})
@@ -256,8 +257,7 @@ class GraphRunner:
             buf.sampling = sampling_buffers(batch, q - 1, cfg.vocab_size, dev) if which.sampled else []
         else:
             step = self._pass_step(which, q)
-        # A code object of its own per graph: dynamo caches compiled code per code object, so each graph is the
-        # only entry of its cache and needs no guards to be told apart from the others.
+        # a code object per graph: dynamo caches per code object, so no guards need to tell the graphs apart
         code = step.__code__.replace(co_name=f"graph_{which}_b{rows}_q{q}")
         fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
                                               step.__closure__))

@@ -42,8 +42,16 @@ AVX512_BF16 void tile_times_weight(const uint16_t* x, int64_t x_stride, const ui
       for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
     }
   }
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t r = 0; r < R; r++) y[t * N + r] = _mm512_reduce_add_ps(acc[t][r]);
+  for (int64_t t = 0; t < T; t++) {
+    if constexpr (R % 4 == 0) {   // four sums at a time (avx512.h), rounded to bf16 together
+      for (int64_t r = 0; r < R; r += 4) {
+        __m128 four = sum4(acc[t][r], acc[t][r + 1], acc[t][r + 2], acc[t][r + 3]);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(y + t * N + r), (__m128i)_mm_cvtneps_pbh(four));
+      }
+    } else {
+      for (int64_t r = 0; r < R; r++) y[t * N + r] = _mm512_reduce_add_ps(acc[t][r]);
+    }
+  }
 }
 
 // R weight rows times every row of x, up to kTile rows of x at a time (the block in L1 after the first tile)
