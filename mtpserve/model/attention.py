@@ -132,11 +132,6 @@ def few_rows_in_cpu_graph(t: torch.Tensor, rows) -> bool:
     return torch.compiler.is_compiling() and t.device.type == "cpu" and statically_known_true(rows <= SMALL_BMM_ROWS)
 
 
-def _bf16_kernels(x: torch.Tensor, other: torch.Tensor) -> bool:
-    """bf16 on the CPU: our kernels (model/cpu_kernels.py) at any number of rows, each row's bits its own."""
-    return x.device.type == "cpu" and x.dtype == other.dtype == torch.bfloat16 and cpu_kernels.LOADED
-
-
 def dense_metadata(batch: int, seq_len: int, device) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for a [batch, seq_len] causal batch with no cache (training, references)."""
     positions = torch.arange(seq_len, device=device).repeat(batch)
@@ -261,7 +256,7 @@ class MLAttention(nn.Module):
             query = to_padded(torch.cat([q_latent, q_pe], dim=-1))           # [B, H, max_q, r + rope]
             # One latent key/value per token, shared by every head: heads become extra query rows (MQA).
             rows = query.reshape(batch, -1, query.shape[-1])
-            if _bf16_kernels(rows, keys):
+            if cpu_kernels.usable(rows, keys):   # (any number of rows, each row's bits its own)
                 out = cpu_kernels.latent_attention(rows, keys, meta.mask.squeeze(1).contiguous(), self.scale,
                                                    self.kv_lora_rank)
             else:
@@ -295,6 +290,6 @@ class MLAttention(nn.Module):
 
 def per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [N, H, in] times each head's weight [H, out, in] -> [N, H, out]."""
-    if _bf16_kernels(x, weight):
+    if cpu_kernels.usable(x, weight):
         return cpu_kernels.bf16_bmm(x.transpose(0, 1), weight).transpose(0, 1)
     return small_bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)

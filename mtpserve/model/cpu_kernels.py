@@ -10,7 +10,7 @@ import torch
 logger = logging.getLogger("mtpserve")
 
 
-LOADED = False   # the mtpserve_cpu ops are loaded (load); read by layers.linear and attention._attend
+LOADED = False   # the mtpserve_cpu ops are loaded (load); read by usable
 
 
 def load() -> bool:
@@ -41,6 +41,11 @@ def load() -> bool:
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
     LOADED = True
     return True
+
+
+def usable(*tensors: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The kernels are loaded and can take these tensors: all on the CPU, all of `dtype`."""
+    return LOADED and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def set_int8(linear: torch.nn.Linear, w: Int8Weight) -> None:
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T with W in int8: [..., out]."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.device.type == "cpu" and flat.dtype == w.scale.dtype == torch.bfloat16 and cpu_kernels.LOADED:
+    if cpu_kernels.usable(flat, w.scale):
         out = cpu_kernels.int8_linear(flat, w.data, w.scale)
     else:   # (ATen's kernel reads the scales as contiguous, whatever their strides)
         out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), w.data, w.scale.contiguous())

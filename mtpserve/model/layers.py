@@ -59,7 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight = weight.dequantize(x.dtype)
     by_rows = x.dim() == 2 and x.device.type == "cpu" and weight.stride(-1) == 1
     rows = x.shape[0]
-    if by_rows and x.dtype == weight.dtype == torch.bfloat16 and cpu_kernels.LOADED:
+    if by_rows and cpu_kernels.usable(x, weight):
         out = cpu_kernels.bf16_linear(x, weight)
     # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
     elif by_rows and torch.compiler.is_compiling() and statically_known_true(0 < rows) \

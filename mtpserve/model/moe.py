@@ -34,7 +34,7 @@ def router_logits(x32: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
     in a graph of a few rows, else our kernel (MKL's bits for a row change with the number of rows)."""
     if few_rows_in_cpu_graph(x32, len(x32)):
         return (x32.unsqueeze(1) * w32).sum(-1)
-    if x32.device.type == "cpu" and cpu_kernels.LOADED:
+    if cpu_kernels.usable(x32, w32, dtype=torch.float32):
         return cpu_kernels.fp32_linear(x32, w32)
     return F.linear(x32, w32)
 

@@ -130,7 +130,7 @@ class ModelRunner:
         decoding = [i for i, s in enumerate(scheduled) if s.decodes(len(s.draft_token_ids))]
         if not self.splits_mixed_steps or len(decoding) in (0, len(scheduled)):
             return self._execute(scheduled)
-        rest = [i for i in range(len(scheduled)) if i not in set(decoding)]
+        rest = sorted(set(range(len(scheduled))) - set(decoding))
         results = dict(zip(decoding + rest, self._execute([scheduled[i] for i in decoding])
                            + self._execute([scheduled[i] for i in rest])))
         return [results[i] for i in range(len(scheduled))]

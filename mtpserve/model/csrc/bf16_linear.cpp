@@ -15,8 +15,6 @@
 
 namespace {
 
-constexpr int64_t kTile = 3;   // rows of x multiplied together (3 x 8 sums in registers)
-
 // y[m, n..n+R-1] = x[m] . w[n..n+R-1] for T rows m of x at once: each 32 weights loaded once for the T rows
 template <int64_t R, int64_t T>
 AVX512_BF16 void tile_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t w_stride,
@@ -26,12 +24,11 @@ AVX512_BF16 void tile_times_weight(const uint16_t* x, int64_t x_stride, const ui
   for (int64_t t = 0; t < T; t++)
     for (int64_t r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + (T == 1 ? 0 : kLanes) <= K && k < K; k += kLanes) {   // (T = 1: the tail in this loop, masked)
-    for (int64_t t = 0; t < T; t++) xv[t] = T == 1 ? load32(x + k, K - k) : (__m512bh)_mm512_loadu_si512(x + t * x_stride + k);
+  for (; k + kLanes <= K; k += kLanes) {
+    for (int64_t t = 0; t < T; t++) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + k);
     for (int64_t r = 0; r < R; r++) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * w_stride + k), _MM_HINT_T0);
-      __m512bh wv = T == 1 ? load32(block + r * w_stride + k, K - k)
-                           : (__m512bh)_mm512_loadu_si512(block + r * w_stride + k);
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(block + r * w_stride + k);
       for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
     }
   }

@@ -18,7 +18,6 @@
 namespace {
 
 constexpr int64_t kFloats = 16;  // fp32 values in a 512-bit register
-constexpr int64_t kTile = 3;     // rows of x multiplied together (3 x 8 sums in registers)
 
 AVX512_BF16 inline __m512 widen16(const int8_t* p, int64_t left) {   // p[0..15] as fp32, zeros past `left`
   __m128i v = left >= kFloats ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
