@@ -217,7 +217,7 @@ class SpeculativeConfig:
 @dataclass
 class EngineConfig:
     model: str                                # HF DeepSeek-V3 checkpoint directory (None in LLM: the shipped model)
-    dtype: str = "auto"                       # "auto": bfloat16 on CUDA, float32 on the CPU (bfloat16 with int8)
+    dtype: str = "auto"                       # "auto": bf16 on CUDA; the CPU: a bf16 checkpoint's bf16, else fp32
     device: str = "auto"                      # "cpu" | "cuda" | "auto" (cuda when available)
     max_num_seqs: int = 64                    # requests running at once
     max_num_batched_tokens: int = 2048        # tokens per step, prompt chunks included

@@ -22,8 +22,9 @@ def add_model_args(p: argparse.ArgumentParser,
                    help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': MTP drafts up to 2 tokens a '
                         'step, as many as pay (adaptive; add "adaptive": false for always 2) (default: no speculation)')
     p.add_argument("--dtype", default="auto",
-                   help="activations and weights: float32, bfloat16, float16 (default: bfloat16 on CUDA, float32 on "
-                        "the CPU, bfloat16 with --quantization int8)")
+                   help="activations and weights: float32, bfloat16, float16 (default: bfloat16 on CUDA; on the CPU "
+                        "the checkpoint's bfloat16 where mtpserve's bf16 kernels run, else float32; bfloat16 with "
+                        "--quantization int8)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

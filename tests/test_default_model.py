@@ -114,3 +114,18 @@ def main(argv=None):
     for i in range(cfg.size):
         print(f"{cfg.name}-{i}")
 '''
+
+
+def test_auto_dtype_follows_a_bf16_checkpoint_where_our_kernels_run(tmp_path):
+    """vLLM's "auto": the checkpoint's bf16 (the shipped model's), not float32, on a CPU where our bf16 kernels keep
+    MTP lossless to the bit; float32 checkpoints stay float32 on the CPU; CUDA takes bf16."""
+    from mtpserve.config import EngineConfig
+    from mtpserve.engine.setup import engine_setup, resolve_device_dtype
+    from mtpserve.model import cpu_kernels
+    from tiny_models import random_checkpoint
+    shipped = engine_setup(EngineConfig(model=None, device="cpu", enforce_eager=True)).dtype
+    assert shipped == (torch.bfloat16 if cpu_kernels.load() else torch.float32)
+    fp32 = random_checkpoint(tmp_path / "fp32")
+    assert engine_setup(EngineConfig(model=fp32, device="cpu", enforce_eager=True)).dtype == torch.float32
+    assert resolve_device_dtype("cuda", "auto", "float32")[1] == torch.bfloat16
+    assert resolve_device_dtype("cpu", "float32", "bfloat16")[1] == torch.float32

@@ -8,18 +8,23 @@ import torch
 from mtpserve.config import EngineConfig, ModelConfig, SpeculativeConfig, check_int_in_range
 from mtpserve.distributed.launch import Launch, check_devices, end_processes
 from mtpserve.executor.worker import RankSetup, run_rank, worker_process
+from mtpserve.model import cpu_kernels
 from mtpserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from mtpserve.model.parallel import parallel_layout
 from mtpserve.runner.background import compile_later_refusal
 from mtpserve.spec_decode.proposer import proposer_class
 
 
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(device: str, dtype: str, checkpoint_dtype: str | None = None
+                         ) -> tuple[torch.device, torch.dtype]:
+    """dtype "auto": bf16 on CUDA; on the CPU the checkpoint's bf16 where our bf16 kernels run (they keep MTP
+    lossless to the bit there: docs/speculative_decoding.md), else float32."""
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+        bf16 = dev.type == "cuda" or (checkpoint_dtype == "bfloat16" and cpu_kernels.load())
+        return dev, torch.bfloat16 if bf16 else torch.float32
     if dtype not in names:
         raise ValueError(f"dtype = {dtype!r}: must be one of 'auto', {sorted(names)}")
     return dev, names[dtype]
@@ -34,7 +39,7 @@ def engine_setup(cfg: EngineConfig) -> RankSetup:
     drafter = proposer_class(spec)
     if drafter is not None:
         drafter.check(model_config, spec)
-    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype, model_config.torch_dtype)
     if cfg.quantization == "int8":
         dtype = int8_activation_dtype(cfg.dtype, dtype, device)
     limit = model_config.max_position_embeddings
