@@ -9,8 +9,8 @@ token excluded. **Acceptance rate**: accepted draft tokens / proposed draft toke
 accepted. **TPOT speedup**: TPOT(no MTP) / TPOT(config) at the same batch size. All latency runs: greedy
 (temperature 0), ignore_eos, fixed output length; prompts are slices of the standard library's held-out files
 (neither default model trained on them; bench/common.py) tokenized with the model's tokenizer. **dtype `auto`** in a
-Run line: float32 for every run on this page started before 2026-12-06T11:33Z (commit aee89e9); since then the shipped model's
-bfloat16 (the CPU's "auto" follows a bf16 checkpoint where mtpserve's bf16 kernels run)."""
+Run line: float32 for every run on this page started before 2026-12-06T11:33Z (commit aee89e9); since then the
+shipped model's bfloat16 (the CPU's "auto" follows a bf16 checkpoint where mtpserve's bf16 kernels run)."""
 
 
 def _mode(rec: dict) -> str:
