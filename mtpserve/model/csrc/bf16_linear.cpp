@@ -82,6 +82,8 @@ void check(const at::Tensor& x, const at::Tensor& weight, int64_t dims) {
   TORCH_CHECK(x.stride(-1) == 1 && weight.stride(-1) == 1, "bf16 kernel: rows must be contiguous");
 }
 
+constexpr int64_t kShareBytes = 32 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
+
 // y[b] = x[b] @ weight[b].T for b in 0..B-1 (B = 1: a linear). Torch's threads split the B x N weight rows by
 // blocks, each thread's share at least kShareBytes read per tile of rows (one thread below that).
 void batched(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, int64_t B) {
