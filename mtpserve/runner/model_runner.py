@@ -127,10 +127,11 @@ class ModelRunner:
         """A step with prompt chunks beside decode rows runs them as two forwards: a decode row's bits never depend
         on a prompt's rows, and the decode rows can take their graph. [a: t5 d6 d7] [b: 512 prompt tokens] ->
         forward [t5 d6 d7], then forward [b's 512 tokens]."""
-        decoding = [i for i, s in enumerate(scheduled) if s.decodes(len(s.draft_token_ids))]
-        if not self.splits_mixed_steps or len(decoding) in (0, len(scheduled)):
+        decodes = [s.decodes(len(s.draft_token_ids)) for s in scheduled]
+        if not self.splits_mixed_steps or all(decodes) or not any(decodes):
             return self._execute(scheduled)
-        rest = sorted(set(range(len(scheduled))) - set(decoding))
+        decoding = [i for i, d in enumerate(decodes) if d]
+        rest = [i for i, d in enumerate(decodes) if not d]
         results = dict(zip(decoding + rest, self._execute([scheduled[i] for i in decoding])
                            + self._execute([scheduled[i] for i in rest])))
         return [results[i] for i in range(len(scheduled))]
