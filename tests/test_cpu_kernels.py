@@ -1,7 +1,8 @@
 """mtpserve's own CPU kernels (model/csrc/): built on a CPU with AVX512-BF16. bf16_linear: the fp32 sums of a bf16
 product rounded once, a row's bits independent of the batch around it, the same in a CPU graph as eagerly.
 latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits.
-int8_linear: bf16_linear's checks, for int8 weights with a scale per row; bf16_bmm and fp32_linear the same.
+int8_linear: bf16_linear's checks, for int8 weights with a scale per row; bf16_bmm and fp32_linear the same;
+fp32_columns_linear (fp32 weights stored by columns) likewise.
 The CPU allocator that keeps freed tensor memory: blocks reused by size class, aligned, data kept intact."""
 import pytest
 import torch
@@ -235,6 +236,30 @@ def test_freed_cpu_tensor_memory_is_handed_out_again_by_size_class_and_large_blo
     assert large.data_ptr() % 64 == 0
     large.fill_(1)
     assert int(large.sum()) == 2 << 20
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 4096, 256), (3, 1536, 256), (6, 7, 48), (8, 100, 769)])
+def test_fp32_columns_linear_sums_in_order_and_gives_a_row_the_same_bits_in_any_batch(rows, out_features,
+                                                                                       in_features):
+    """fp32_columns_linear (fp32 weights stored by columns, layers.by_columns): within fp32 rounding of the fp64
+    sum; a row's output has the same bits alone, in a batch, on 1 or 2 threads; a column view of a wider weight (a
+    fused gate_up's half) read in place."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    fused = torch.randn(2 * out_features, in_features, generator=gen).t().contiguous().t()   # stored by columns
+    w = fused[out_features:]
+    ours = cpu_kernels.fp32_columns_linear(x, w.t())
+    assert ours.shape == (rows, out_features)
+    assert (ours.double() - F.linear(x.double(), w.double())).abs().max() < 1e-4 * in_features ** 0.5
+    assert torch.equal(ours, cpu_kernels.fp32_columns_linear(x, w.t().contiguous()))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in range(rows):
+                assert torch.equal(cpu_kernels.fp32_columns_linear(x[r:r + 1], w.t()), ours[r:r + 1])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

@@ -22,7 +22,8 @@ def load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
         sources = [os.path.join(os.path.dirname(__file__), "csrc", name)
-                   for name in ("bf16_linear.cpp", "fp32_sums_linear.cpp", "latent_attention.cpp", "cpu_allocator.cpp")]
+                   for name in ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp", "latent_attention.cpp",
+                                "cpu_allocator.cpp")]
         build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
@@ -36,6 +37,8 @@ def load() -> bool:
         lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("mtpserve_cpu::fp32_linear")(
         lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
+    torch.library.register_fake("mtpserve_cpu::fp32_columns_linear")(
+        lambda x, wt: x.new_empty(x.shape[0], wt.shape[1]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
         lambda q, keys, mask, scale, value_dim: q.new_empty(q.shape[0], q.shape[1], value_dim))
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
@@ -44,8 +47,11 @@ def load() -> bool:
 
 
 def usable(*tensors: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """The kernels are loaded and can take these tensors: all on the CPU, all of `dtype`."""
-    return LOADED and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+    """The kernels are loaded and can take these tensors: all on the CPU, all of `dtype`, none to be differentiated
+    (the kernels have no backward)."""
+    grad = torch.is_grad_enabled()
+    return LOADED and all(t.device.type == "cpu" and t.dtype == dtype and not (grad and t.requires_grad)
+                          for t in tensors)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -67,6 +73,12 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 x [M, K] @ weight [N, K].T, each output one fp32 FMA sum: csrc/fp32_sums_linear.cpp."""
     return torch.ops.mtpserve_cpu.fp32_linear(x if x.stride(-1) == 1 else x.contiguous(), weight)
+
+
+def fp32_columns_linear(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """fp32 x [M, K] @ wt [K, N] (a weight stored by columns, transposed), each output its K products summed in
+    order: csrc/fp32_columns_linear.cpp."""
+    return torch.ops.mtpserve_cpu.fp32_columns_linear(x if x.stride(-1) == 1 else x.contiguous(), wt)
 
 
 def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float,

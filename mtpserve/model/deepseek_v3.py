@@ -119,7 +119,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear) and m.weight.is_contiguous() and m.weight is not embedding:
                 m.weight = nn.Parameter(by_columns(m.weight.detach()), requires_grad=False)
-        if embedding.device.type == "cpu" and embedding.dtype == torch.bfloat16:   # few-row linears, attention: ours
+        if embedding.device.type == "cpu" and embedding.dtype in (torch.bfloat16, torch.float32):   # few-row products
             cpu_kernels.load()
         return self
 

@@ -48,19 +48,23 @@ FEW_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except on the CPU for a weight stored row by row: bf16 products in our kernel where it is loaded
-    (model/cpu_kernels.py: a row's bits its own at any number of rows, so a verify step's rows get a plain step's
-    bits), int8 ones in the int8 kernel (model/int8.py); without the kernels, in a graph of 1-8 rows one reduction
-    per row, which inductor fuses into one kernel that reads the weight once. fp32 weights are stored by columns
-    (`by_columns`): F.linear reads them as they lie."""
+    """F.linear, except on the CPU where our kernels are loaded (model/cpu_kernels.py: a row's bits its own at any
+    number of rows, so a verify step's rows get a plain step's bits): bf16 products, int8 ones (model/int8.py), and
+    the products of 1-8 rows by an fp32 weight, which is stored by columns (`by_columns`; more rows: F.linear reads
+    it as it lies). Without the kernels, a bf16 graph of 1-8 rows runs one reduction per row, which inductor fuses
+    into one kernel that reads the weight once."""
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):   # FP8 in memory: dequantized for this product only
         weight = weight.dequantize(x.dtype)
-    by_rows = x.dim() == 2 and x.device.type == "cpu" and weight.stride(-1) == 1
+    on_cpu = x.dim() == 2 and x.device.type == "cpu"
+    by_rows = on_cpu and weight.stride(-1) == 1
     rows = x.shape[0]
     if by_rows and cpu_kernels.usable(x, weight):
         out = cpu_kernels.bf16_linear(x, weight)
+    elif on_cpu and weight.stride(-2) == 1 and statically_known_true(rows <= FEW_ROWS) \
+            and cpu_kernels.usable(x, weight, dtype=torch.float32):
+        out = cpu_kernels.fp32_columns_linear(x, weight.t())
     # (statically_known_true: a graph with a dynamic batch is never unrolled over its rows)
     elif by_rows and torch.compiler.is_compiling() and statically_known_true(0 < rows) \
             and statically_known_true(rows <= FEW_ROWS):
