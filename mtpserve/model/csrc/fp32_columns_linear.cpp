@@ -17,12 +17,14 @@ namespace {
 constexpr int64_t kVectors = 4;   // registers of 16 columns a block holds (64 columns)
 constexpr int64_t kRows = 6;      // rows of x a tile multiplies together (6 x 4 sums in registers)
 constexpr int64_t kPanel = 8;     // weight rows a pass reads side by side (8 streams through memory)
+constexpr int64_t kAhead = 16;    // weight rows prefetched ahead (the hardware prefetcher alone falls behind DRAM
+                                  // from two rows of x up: docs/history.md)
 
-// y[t, n..n+16V-1] += x[t, k] * wt[k, n..] for k in k0..k1-1, T rows t of x (first: y starts at zero); the last
-// register's columns masked by `last` (columns past N)
+// y[t, n..n+16V-1] += x[t, k] * wt[k, n..] for k in k0..k1-1 of K, T rows t of x (k0 = 0: y starts at zero); the
+// last register's columns masked by `last` (columns past N)
 template <int64_t V, int64_t T>
 AVX512_BF16 void tile(const float* x, int64_t x_stride, const float* wt, int64_t w_stride, float* y, int64_t y_stride,
-                      int64_t k0, int64_t k1, __mmask16 last) {
+                      int64_t k0, int64_t k1, int64_t K, __mmask16 last) {
   __m512 acc[T][V], w[V];
   for (int64_t t = 0; t < T; t++)
     for (int64_t v = 0; v < V; v++)
@@ -30,6 +32,9 @@ AVX512_BF16 void tile(const float* x, int64_t x_stride, const float* wt, int64_t
                           : _mm512_maskz_loadu_ps(v == V - 1 ? last : 0xffff, y + t * y_stride + 16 * v);
   for (int64_t k = k0; k < k1; k++) {
     const float* row = wt + k * w_stride;
+    if (k + kAhead < K)
+      for (int64_t v = 0; v < V; v++)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * w_stride + 16 * v), _MM_HINT_T0);
     for (int64_t v = 0; v < V; v++) w[v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : 0xffff, row + 16 * v);
     for (int64_t t = 0; t < T; t++) {
       const __m512 xk = _mm512_set1_ps(x[t * x_stride + k]);
@@ -52,10 +57,10 @@ AVX512_BF16 void rows(const float* x, int64_t x_stride, const float* wt, int64_t
       const int64_t left = std::min(width, n1 - n), vectors = (left + 15) / 16;
       const __mmask16 last = (__mmask16)((1u << (left - 16 * (vectors - 1))) - 1);
       switch (vectors) {
-        case 1: tile<1, T>(x, x_stride, wt + n, w_stride, y + n, y_stride, k0, k1, last); break;
-        case 2: tile<2, T>(x, x_stride, wt + n, w_stride, y + n, y_stride, k0, k1, last); break;
-        case 3: tile<3, T>(x, x_stride, wt + n, w_stride, y + n, y_stride, k0, k1, last); break;
-        default: tile<kVectors, T>(x, x_stride, wt + n, w_stride, y + n, y_stride, k0, k1, last);
+        case 1: tile<1, T>(x, x_stride, wt + n, w_stride, y + n, y_stride, k0, k1, K, last); break;
+        case 2: tile<2, T>(x, x_stride, wt + n, w_stride, y + n, y_stride, k0, k1, K, last); break;
+        case 3: tile<3, T>(x, x_stride, wt + n, w_stride, y + n, y_stride, k0, k1, K, last); break;
+        default: tile<kVectors, T>(x, x_stride, wt + n, w_stride, y + n, y_stride, k0, k1, K, last);
       }
     }
   }
