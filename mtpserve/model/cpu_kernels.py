@@ -22,8 +22,8 @@ def load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
         sources = [os.path.join(os.path.dirname(__file__), "csrc", name)
-                   for name in ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp", "latent_attention.cpp",
-                                "cpu_allocator.cpp")]
+                   for name in ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp",
+                                "latent_attention.cpp", "cpu_allocator.cpp")]
         build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
