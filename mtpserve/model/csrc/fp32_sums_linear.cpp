@@ -82,7 +82,7 @@ AVX512_BF16 void block_times(const X* x, int64_t x_stride, const W* block, int64
   }
 }
 
-constexpr int64_t kShareBytes = 256 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
+constexpr int64_t kShareBytes = 64 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
 
 // y = x @ (w * scale).T for weight rows 0..N-1 (scale null: 1), torch's threads splitting the weight by blocks, each
 // thread's share at least kShareBytes read per tile of rows (one thread below that)
