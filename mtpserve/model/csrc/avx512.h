@@ -1,4 +1,4 @@
-// What the CPU kernels share: the target they are compiled for, the linear kernels' block and tile, a
+// What the CPU kernels share: the target they are compiled for, the linear kernels' block, tile and thread share, a
 // masked load, a four-way sum.
 #pragma once
 #include <immintrin.h>
@@ -11,6 +11,14 @@ namespace {
 constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
 constexpr int64_t kBlock = 8;    // weight rows the linear kernels read together
 constexpr int64_t kTile = 3;     // rows of x they multiply together (3 x 8 sums in registers)
+constexpr int64_t kShareBytes = 32 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
+
+// the grain of a linear kernel's parallel_for over units of weight (unit_bytes each, read once per tile of rows of
+// x): each thread reads at least `share` bytes
+inline int64_t share_grain(int64_t unit_bytes, int64_t tiles, int64_t share = kShareBytes) {
+  const int64_t units = share / (unit_bytes * tiles);
+  return units > 1 ? units : 1;
+}
 
 // p[0..31] as bf16, zeros past `left` values
 AVX512_BF16 inline __m512bh load32(const uint16_t* p, int64_t left) {

@@ -82,8 +82,6 @@ void check(const at::Tensor& x, const at::Tensor& weight, int64_t dims) {
   TORCH_CHECK(x.stride(-1) == 1 && weight.stride(-1) == 1, "bf16 kernel: rows must be contiguous");
 }
 
-constexpr int64_t kShareBytes = 32 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
-
 // y[b] = x[b] @ weight[b].T for b in 0..B-1 (B = 1: a linear). Torch's threads split the B x N weight rows by
 // blocks, each thread's share at least kShareBytes read per tile of rows (one thread below that).
 void batched(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, int64_t B) {
@@ -93,7 +91,7 @@ void batched(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, int64
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = (N + kBlock - 1) / kBlock, tiles = (M + kTile - 1) / kTile;
-  const int64_t grain = std::max<int64_t>(1, kShareBytes / (kBlock * K * 2 * tiles));
+  const int64_t grain = share_grain(kBlock * K * 2, tiles);
   at::parallel_for(0, B * blocks, grain, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last;) {   // blocks first..last-1, one batch entry at a time
       const int64_t b = i / blocks, end = std::min(last, (b + 1) * blocks);

@@ -83,8 +83,6 @@ AVX512_BF16 void columns(const float* x, int64_t x_stride, const float* wt, int6
   }
 }
 
-constexpr int64_t kShareBytes = 32 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
-
 at::Tensor fp32_columns_linear(const at::Tensor& x, const at::Tensor& wt) {
   TORCH_CHECK(x.dim() == 2 && wt.dim() == 2 && x.size(1) == wt.size(0), "fp32_columns_linear: x [M, K], wt [K, N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, "fp32_columns_linear: fp32 only");
@@ -95,7 +93,7 @@ at::Tensor fp32_columns_linear(const at::Tensor& x, const at::Tensor& wt) {
   const float* wp = wt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (N + width - 1) / width, tiles = (M + kRows - 1) / kRows;
-  const int64_t grain = std::max<int64_t>(1, kShareBytes / (width * K * 4 * tiles));
+  const int64_t grain = share_grain(width * K * 4, tiles);
   at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
     columns(xp, x.stride(0), wp, wt.stride(0), yp, N, M, K, first * width, std::min(N, last * width));
   });

@@ -82,15 +82,15 @@ AVX512_BF16 void block_times(const X* x, int64_t x_stride, const W* block, int64
   }
 }
 
-constexpr int64_t kShareBytes = 64 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
+constexpr int64_t kSumsShareBytes = 64 << 10;   // these kernels' thread share (int8: docs/history.md)
 
 // y = x @ (w * scale).T for weight rows 0..N-1 (scale null: 1), torch's threads splitting the weight by blocks, each
-// thread's share at least kShareBytes read per tile of rows (one thread below that)
+// thread's share at least kSumsShareBytes read per tile of rows (one thread below that)
 template <typename X, typename W, typename O>
 void rows_times(const X* x, int64_t x_stride, const W* w, int64_t w_stride, const at::BFloat16* scale,
                 int64_t scale_stride, O* y, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = (N + kBlock - 1) / kBlock, tiles = (M + kTile - 1) / kTile;
-  const int64_t grain = std::max<int64_t>(1, kShareBytes / (kBlock * K * int64_t(sizeof(W)) * tiles));
+  const int64_t grain = share_grain(kBlock * K * int64_t(sizeof(W)), tiles, kSumsShareBytes);
   at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
     int64_t n = first * kBlock;
     const int64_t end = std::min(N, last * kBlock);
