@@ -163,6 +163,29 @@ def test_every_routed_experts_path_gives_a_token_the_same_bits():
     assert torch.equal(_chosen_pairs(x, weights, ids, w13, w2)[:1], alone)
 
 
+@pytest.mark.parametrize("tokens,k,experts,hidden,inter", [(32, 2, 8, 256, 256), (5, 3, 6, 40, 24), (1, 1, 4, 16, 8)])
+def test_routed_experts_kernel_gives_the_grouped_paths_bits(tokens, k, experts, hidden, inter):
+    """csrc/routed_experts.cpp against model/moe.py's `_grouped` (the same products through bf16_linear, ATen's silu
+    and mul, the fp32 sum in expert id order): bit for bit, with experts nobody chose, choices of an expert held
+    elsewhere (id E, expert parallelism) and a token all of whose experts are elsewhere."""
+    from mtpserve.model.moe import _grouped
+    gen = torch.Generator().manual_seed(tokens + k)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen).bfloat16()
+    w2 = torch.randn(hidden, experts, inter, generator=gen).bfloat16() / 4
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    weights, ids = torch.rand(tokens, experts - 1, generator=gen).bfloat16().topk(k, dim=-1)   # (expert E-1: none)
+    expected = _grouped(x, weights, ids, w13, w2)
+    assert torch.equal(cpu_kernels.routed_experts(x, weights, ids, w13, w2).view(torch.int16),
+                       expected.view(torch.int16))
+    elsewhere = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.3, experts)
+    elsewhere[0] = experts
+    got = cpu_kernels.routed_experts(x, weights, elsewhere, w13, w2)
+    assert torch.equal(got.view(torch.int16), _grouped(x, weights, elsewhere, w13, w2).view(torch.int16))
+    assert torch.equal(got[0], torch.zeros(hidden, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_kernels.routed_experts(x, weights, ids + experts + 1, w13, w2)
+
+
 def _attention_in_fp64(q, keys, mask, scale, value_dim):
     rows_per_mask_row = q.shape[1] // mask.shape[1]
     scores = (q.double() @ keys.double().transpose(1, 2)) * scale

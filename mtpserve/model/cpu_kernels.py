@@ -23,7 +23,7 @@ def load() -> bool:
         from torch.utils.cpp_extension import load as build
         sources = [os.path.join(os.path.dirname(__file__), "csrc", name)
                    for name in ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp",
-                                "latent_attention.cpp", "cpu_allocator.cpp")]
+                                "latent_attention.cpp", "routed_experts.cpp", "cpu_allocator.cpp")]
         build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
@@ -41,17 +41,18 @@ def load() -> bool:
         lambda x, wt: x.new_empty(x.shape[0], wt.shape[1]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
         lambda q, keys, mask, scale, value_dim: q.new_empty(q.shape[0], q.shape[1], value_dim))
+    torch.library.register_fake("mtpserve_cpu::routed_experts")(lambda x, *args: torch.empty_like(x))
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
     LOADED = True
     return True
 
 
 def usable(*tensors: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """The kernels are loaded and can take these tensors: all on the CPU, all of `dtype`, none to be differentiated
-    (the kernels have no backward)."""
+    """The kernels are loaded and can take these: all plain tensors (not FP8 or int8 weights) on the CPU, all of
+    `dtype`, none to be differentiated (the kernels have no backward)."""
     grad = torch.is_grad_enabled()
-    return LOADED and all(t.device.type == "cpu" and t.dtype == dtype and not (grad and t.requires_grad)
-                          for t in tensors)
+    return LOADED and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == dtype
+                          and not (grad and t.requires_grad) for t in tensors)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -86,3 +87,10 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sc
     """MLA's absorbed attention in bf16: q [B, R, D] over keys [B, L, D] with mask [B, Q, L] (row i: mask row
     i % Q) -> [B, R, value_dim], the values being keys[..., :value_dim]: csrc/latent_attention.cpp."""
     return torch.ops.mtpserve_cpu.latent_attention(q, keys, mask, scale, value_dim)
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's routed experts, bf16 x [T, H] with weights and ids [T, k], w13 [E, 2I, H], w2 [H, E, I]: each
+    expert once on the tokens that chose it, as model/moe.py's `_grouped`, bit for bit: csrc/routed_experts.cpp."""
+    return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2)

@@ -150,7 +150,8 @@ class MoE(nn.Module):
             if fp8:   # the experts hit, each dequantized as it runs
                 return routed_experts_fp8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
                                           self.w2.scale, self.w13.block)
-            return routed_experts(x, weights, ids, self.w13, self.w2)
+            if not cpu_kernels.usable(x, weights, self.w13, self.w2):   # (usable: _hit_experts runs our kernel)
+                return routed_experts(x, weights, ids, self.w13, self.w2)
         return _hit_experts(x, weights, ids, self.w13, self.w2)
 
     @torch.no_grad()
@@ -195,6 +196,8 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     w13: [E, 2I, H]; w2: [H, E, I]. An id of E is a choice of an expert held elsewhere (expert parallelism):
     skipped. Every path sums a token's weighted expert outputs in fp32 in expert id order, rounded once (_sum):
     a token's bits do not depend on the path or the other tokens."""
+    if cpu_kernels.usable(x, weights, w13, w2):   # bf16 on the CPU: _grouped's bits in one op of our own
+        return cpu_kernels.routed_experts(x, weights, ids, w13, w2)
     num_experts = len(w13)
     if ids.numel() <= FEW_CHOICES:
         # A few tokens (decode; verify at small batch): each expert chosen by any of them runs once on all of
@@ -203,9 +206,14 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
         routing = torch.zeros(ids.shape[0], num_experts + 1, dtype=x.dtype, device=x.device).scatter(1, ids, weights)
         return _sum(x, [linear(silu_and_mul(linear(x, w13[e])), w2[:, e]) * routing[:, e:e + 1]
                         for e in sorted(set(ids.flatten().tolist())) if e < num_experts])
-    # Many tokens: each expert on the tokens that chose it, gathered once in expert order (so each expert's
-    # rows are a slice), then put back in a grid of each token's choices in id order: [t0: e1 e5] [t1: e2 e5]
-    # -> rows e1:t0, e2:t1, e5:t0, e5:t1 -> grid [[e1 e5] [e2 e5]].
+    return _grouped(x, weights, ids, w13, w2)
+
+
+def _grouped(x, weights, ids, w13, w2) -> torch.Tensor:
+    """Many tokens: each expert on the tokens that chose it, gathered once in expert order (so each expert's
+    rows are a slice), then put back in a grid of each token's choices in id order: [t0: e1 e5] [t1: e2 e5]
+    -> rows e1:t0, e2:t1, e5:t0, e5:t1 -> grid [[e1 e5] [e2 e5]]."""
+    num_experts = len(w13)
     ids, by_id = ids.sort(-1)
     flat_ids = ids.flatten()
     order = flat_ids.argsort()

@@ -1,8 +1,10 @@
 // What the CPU kernels share: the target they are compiled for, the linear kernels' block, tile and thread share, a
-// masked load, a four-way sum.
+// masked load, a four-way sum, the bf16 linear.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
+
+#include <ATen/ATen.h>
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -38,3 +40,6 @@ AVX512_BF16 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 }  // namespace
+
+// y [M, N] (contiguous, written) = x [M, K] @ weight [N, K].T in bf16: bf16_linear into a given tensor
+void bf16_linear_into(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y);

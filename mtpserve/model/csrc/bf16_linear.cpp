@@ -119,6 +119,12 @@ at::Tensor bf16_bmm(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
+void bf16_linear_into(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y) {
+  check(x, weight, 2);
+  TORCH_CHECK(y.is_contiguous() && y.size(0) == x.size(0) && y.size(1) == weight.size(0), "bf16_linear_into: y [M, N]");
+  batched(x, weight, y, 1);
+}
+
 TORCH_LIBRARY(mtpserve_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("bf16_bmm(Tensor x, Tensor weight) -> Tensor");
