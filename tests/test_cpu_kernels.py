@@ -1,6 +1,7 @@
 """mtpserve's own CPU kernels (model/csrc/): built on a CPU with AVX512-BF16. bf16_linear: the fp32 sums of a bf16
 product rounded once, a row's bits independent of the batch around it, the same in a CPU graph as eagerly.
-latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits.
+latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits, the paged
+cache read in place. routed_experts: the grouped Python path's bits.
 int8_linear: bf16_linear's checks, for int8 weights with a scale per row; bf16_bmm and fp32_linear the same;
 fp32_columns_linear (fp32 weights stored by columns) likewise.
 The CPU allocator that keeps freed tensor memory: blocks reused by size class, aligned, data kept intact."""
@@ -225,6 +226,22 @@ def test_latent_attention_ignores_masked_positions_and_gives_a_row_the_same_bits
     far[0, 25:] = 1e4   # masked: no weight, whatever they hold
     assert torch.equal(cpu_kernels.latent_attention(q, far, mask, 0.1, 128), out)
     assert torch.equal(cpu_kernels.latent_attention(q[1:], keys[1:], mask[1:], 0.1, 128), out[1:])
+
+
+def test_latent_attention_reads_a_paged_cache_in_place_with_the_gathered_keys_bits():
+    """With block_tables, keys is the cache [blocks, block_size, D]: request b's position p is row p % block_size of
+    block block_tables[b, p // block_size]. The same bits as the keys gathered into [B, L, D] (L: 37, not a whole
+    number of blocks; tables padded with block 0 past it); a block id outside the cache is refused."""
+    gen = torch.Generator().manual_seed(9)
+    cache = torch.randn(12, 16, 144, generator=gen).bfloat16()
+    tables = torch.tensor([[3, 7, 1, 0], [11, 2, 5, 9]])
+    q = torch.randn(2, 24, 144, generator=gen).bfloat16()
+    mask = torch.arange(37)[None, None, :] <= torch.tensor([[30, 31, 32], [34, 35, 36]])[:, :, None]
+    gathered = cache[tables].flatten(1, 2)[:, :37]
+    want = cpu_kernels.latent_attention(q, gathered, mask, 0.1, 128)
+    assert torch.equal(cpu_kernels.latent_attention(q, cache, mask, 0.1, 128, tables), want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.latent_attention(q, cache, mask, 0.1, 128, tables + 5)
 
 
 def test_a_cpu_graph_runs_the_attention_kernel_as_eager_mode_does():

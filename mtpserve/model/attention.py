@@ -225,16 +225,16 @@ class MLAttention(nn.Module):
             if meta.parts:   # decode rows and prompt chunks attend apart (AttentionMetadata.parts)
                 out = q_nope.new_empty(n, self.num_heads, self.v_dim)
                 for tokens, part in meta.parts:
-                    out[tokens] = self._attend(q_nope[tokens], q_pe[tokens], part,
-                                               cached_keys(kv_cache, part, x.dtype))
+                    out[tokens] = self._attend(q_nope[tokens], q_pe[tokens], part, kv_cache=kv_cache)
             else:
-                out = self._attend(q_nope, q_pe, meta, cached_keys(kv_cache, meta, x.dtype))
+                out = self._attend(q_nope, q_pe, meta, kv_cache=kv_cache)
         return linear(out.reshape(n, self.num_heads * self.v_dim), weight_of(self.o_proj),
                       self.o_proj.bias if self.adds_o_bias else None)
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,
-                keys: torch.Tensor) -> torch.Tensor:
-        """[N, H, nope], [N, H, rope] queries over keys [B, max_seq_len, r + rope] -> [N, H, v]."""
+                keys: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H, nope], [N, H, rope] queries over keys [B, max_seq_len, r + rope], or else over each request's
+        blocks of kv_cache -> [N, H, v]."""
         n, batch = q_nope.shape[0], meta.seq_lens.shape[0]
         uniform = n == batch * meta.max_query_len   # every row has max_query_len tokens: a plain view
 
@@ -249,23 +249,28 @@ class MLAttention(nn.Module):
             t = t.transpose(1, 2)
             return t.reshape(n, *t.shape[2:]) if uniform else t[meta.token_row, meta.token_col]
 
+        def gathered():  # the keys, given or copied out of the cache's blocks
+            return cached_keys(kv_cache, meta, q_nope.dtype) if keys is None else keys
+
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and meta.max_query_len <= ABSORB_MAX_QUERY_LEN)
-        c, k_rope = keys[..., :self.kv_lora_rank], keys[..., self.kv_lora_rank:]
         if absorbed:
             q_latent = self._absorb_queries(q_nope)
             query = to_padded(torch.cat([q_latent, q_pe], dim=-1))           # [B, H, max_q, r + rope]
             # One latent key/value per token, shared by every head: heads become extra query rows (MQA).
             rows = query.reshape(batch, -1, query.shape[-1])
-            if cpu_kernels.usable(rows, keys):   # (any number of rows, each row's bits its own)
-                out = cpu_kernels.latent_attention(rows, keys, meta.mask.squeeze(1).contiguous(), self.scale,
-                                                   self.kv_lora_rank)
+            if cpu_kernels.usable(rows, kv_cache if keys is None else keys):   # (each row's bits its own)
+                out = cpu_kernels.latent_attention(rows, kv_cache if keys is None else keys,   # (the cache in place)
+                                                   meta.mask.squeeze(1).contiguous(), self.scale, self.kv_lora_rank,
+                                                   meta.block_tables if keys is None else None)
             else:
+                keys = gathered()
                 scores = small_bmm(rows, keys.transpose(1, 2)).float() * self.scale    # [B, H * max_q, kv]
                 mask = meta.mask.expand(-1, self.num_heads, -1, -1).reshape(batch, -1, scores.shape[-1])
-                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(c.dtype)
-                out = small_bmm(probs, c)
+                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(keys.dtype)
+                out = small_bmm(probs, keys[..., :self.kv_lora_rank])
             out = out.view(batch, self.num_heads, meta.max_query_len, -1)
             return self._absorb_values(from_padded(out))
+        c, k_rope = gathered().split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = F.linear(c, self.kv_b_proj.weight).view(batch, -1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
         key = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)

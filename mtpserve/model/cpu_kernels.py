@@ -40,7 +40,7 @@ def load() -> bool:
     torch.library.register_fake("mtpserve_cpu::fp32_columns_linear")(
         lambda x, wt: x.new_empty(x.shape[0], wt.shape[1]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
-        lambda q, keys, mask, scale, value_dim: q.new_empty(q.shape[0], q.shape[1], value_dim))
+        lambda q, keys, mask, scale, value_dim, block_tables=None: q.new_empty(q.shape[0], q.shape[1], value_dim))
     torch.library.register_fake("mtpserve_cpu::routed_experts")(lambda x, *args: torch.empty_like(x))
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
     LOADED = True
@@ -82,11 +82,12 @@ def fp32_columns_linear(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     return torch.ops.mtpserve_cpu.fp32_columns_linear(x if x.stride(-1) == 1 else x.contiguous(), wt)
 
 
-def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float,
-                     value_dim: int) -> torch.Tensor:
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, value_dim: int,
+                     block_tables: torch.Tensor | None = None) -> torch.Tensor:
     """MLA's absorbed attention in bf16: q [B, R, D] over keys [B, L, D] with mask [B, Q, L] (row i: mask row
-    i % Q) -> [B, R, value_dim], the values being keys[..., :value_dim]: csrc/latent_attention.cpp."""
-    return torch.ops.mtpserve_cpu.latent_attention(q, keys, mask, scale, value_dim)
+    i % Q) -> [B, R, value_dim], the values being keys[..., :value_dim]. With block_tables [B, n], keys is the
+    paged cache [blocks, block_size, D] that they index, read in place: csrc/latent_attention.cpp."""
+    return torch.ops.mtpserve_cpu.latent_attention(q, keys, mask, scale, value_dim, block_tables)
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,

@@ -2,6 +2,8 @@
 // their request, one latent row per position shared by every head (model/attention.py, `_attend`):
 //     q    [B, R, D]   row i = head * Q + query token (D = kv_lora_rank + rope dims: 128 + 16 shipped)
 //     keys [B, L, D]   the request's cached latents c and rope keys; the values are c = keys[..., :V]
+//                      or, with block_tables [B, n], the cache [blocks, block_size, D] itself: position p of request
+//                      b is row p % block_size of block block_tables[b, p / block_size] (no copy of the keys)
 //     mask [B, Q, L]   row i attends to the positions that mask[b, i % Q] allows
 //     out  [B, R, V] = softmax(scale * q . keys[p] over the allowed p) . keys[p, :V]
 // Scores and probabilities stay fp32 (bf16 dot products, VDPBF16PS); the output is rounded once to bf16.
@@ -19,6 +21,7 @@
 namespace {
 
 constexpr int64_t kRowBlock = 8; // query rows that share each value row read
+constexpr int64_t kAhead = 8;     // positions between the key rows read and those prefetched
 
 AVX512_BF16 inline __m512 load16_as_float(const uint16_t* p, int64_t left) {
   __m256i v = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
@@ -39,15 +42,16 @@ AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // raw scores[r, p..p+P-1] = q_r . keys[p + j] for RR rows from r: RR x P independent sums, reduced four at a time
+// (keys: a pointer to each position's row)
 template <int64_t RR, int64_t P>
-AVX512_BF16 inline void scores_block(const uint16_t* q, int64_t q_stride, const uint16_t* keys, int64_t key_stride,
-                                     int64_t D, int64_t r, int64_t p, int64_t L, float* scores) {
+AVX512_BF16 inline void scores_block(const uint16_t* q, int64_t q_stride, const uint16_t* const* keys, int64_t D,
+                                     int64_t r, int64_t p, int64_t L, float* scores) {
   __m512 acc[RR][P];
   for (int64_t i = 0; i < RR; i++)
     for (int64_t j = 0; j < P; j++) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < D; k += kLanes) {
     __m512bh key[P];
-    for (int64_t j = 0; j < P; j++) key[j] = load32(keys + (p + j) * key_stride + k, D - k);
+    for (int64_t j = 0; j < P; j++) key[j] = load32(keys[p + j] + k, D - k);
     for (int64_t i = 0; i < RR; i++) {
       __m512bh qv = load32(q + (r + i) * q_stride + k, D - k);
       for (int64_t j = 0; j < P; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], key[j], qv);
@@ -61,17 +65,19 @@ AVX512_BF16 inline void scores_block(const uint16_t* q, int64_t q_stride, const 
 
 // probs[r, 0..L-1] of `rows` query rows: scale * q_r . keys[p] where allowed, softmaxed but not yet divided by
 // their sum (-> inv_sum[r]). Four rows by four positions at a time.
-AVX512_BF16 void block_probs(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* keys,
-                             int64_t key_stride, const bool* const* allowed, int64_t L, int64_t D, float scale,
-                             float* probs, float* inv_sum) {
+AVX512_BF16 void block_probs(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* const* keys,
+                             const bool* const* allowed, int64_t L, int64_t D, float scale, float* probs,
+                             float* inv_sum) {
   int64_t p = 0;
   for (; p + 4 <= L; p += 4) {
+    for (int64_t j = p + kAhead; j < std::min(p + kAhead + 4, L); j++)   // (cache rows: blocks apart in memory)
+      for (int64_t k = 0; k < 2 * D; k += 64) _mm_prefetch(reinterpret_cast<const char*>(keys[j]) + k, _MM_HINT_T0);
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) scores_block<4, 4>(q, q_stride, keys, key_stride, D, r, p, L, probs);
-    for (; r < rows; r++) scores_block<1, 4>(q, q_stride, keys, key_stride, D, r, p, L, probs);
+    for (; r + 4 <= rows; r += 4) scores_block<4, 4>(q, q_stride, keys, D, r, p, L, probs);
+    for (; r < rows; r++) scores_block<1, 4>(q, q_stride, keys, D, r, p, L, probs);
   }
   for (; p < L; p++)
-    for (int64_t r = 0; r < rows; r++) scores_block<1, 1>(q, q_stride, keys, key_stride, D, r, p, L, probs);
+    for (int64_t r = 0; r < rows; r++) scores_block<1, 1>(q, q_stride, keys, D, r, p, L, probs);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t r = 0; r < rows; r++) {
     float* row = probs + r * L;
@@ -100,13 +106,13 @@ AVX512_BF16 void block_probs(const uint16_t* q, int64_t q_stride, int64_t rows, 
 
 // out[r, :V] = inv_sum[r] sum_p probs[r, p] keys[p, :V] for kRowBlock rows (probs rows past `rows` are zeros), 32
 // columns at a time
-AVX512_BF16 void block_values(const float* probs, const float* inv_sum, int64_t L, const uint16_t* keys,
-                              int64_t key_stride, int64_t V, at::BFloat16* out, int64_t out_stride, int64_t rows) {
+AVX512_BF16 void block_values(const float* probs, const float* inv_sum, int64_t L, const uint16_t* const* keys,
+                              int64_t V, at::BFloat16* out, int64_t out_stride, int64_t rows) {
   for (int64_t c = 0; c < V; c += kLanes) {
     __m512 acc[kRowBlock][2];
     for (int64_t r = 0; r < kRowBlock; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < L; p++) {
-      const uint16_t* value = keys + p * key_stride + c;
+      const uint16_t* value = keys[p] + c;
       __m512 lo = load16_as_float(value, V - c), hi = load16_as_float(value + 16, V - c - 16);
       for (int64_t r = 0; r < kRowBlock; r++) {
         __m512 w = _mm512_set1_ps(probs[r * L + p]);
@@ -124,34 +130,49 @@ AVX512_BF16 void block_values(const float* probs, const float* inv_sum, int64_t 
 }
 
 at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& mask, double scale,
-                            int64_t value_dim) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && mask.dim() == 3 && q.size(0) == keys.size(0) &&
-              q.size(2) == keys.size(2) && mask.size(0) == q.size(0) && mask.size(2) == keys.size(1) &&
-              q.size(1) % mask.size(1) == 0 && value_dim <= keys.size(2),
-              "latent_attention: q [B, R, D], keys [B, L, D], mask [B, Q, L] with R a multiple of Q, V <= D");
+                            int64_t value_dim, const c10::optional<at::Tensor>& block_tables) {
+  const bool paged = block_tables.has_value();
+  const int64_t B = q.size(0), R = q.size(1), D = q.size(2), L = mask.size(2), Q = mask.size(1), V = value_dim;
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && mask.dim() == 3 && q.size(2) == keys.size(2) && mask.size(0) == B &&
+              R % Q == 0 && V <= D, "latent_attention: q [B, R, D], keys [., ., D], mask [B, Q, L], R = heads x Q");
+  TORCH_CHECK(paged ? block_tables->dim() == 2 && block_tables->size(0) == B &&
+                          block_tables->size(1) * keys.size(1) >= L && block_tables->scalar_type() == at::kLong
+                    : keys.size(0) == B && keys.size(1) == L,
+              "latent_attention: keys [B, L, D], or a cache [blocks, block_size, D] with int64 block_tables [B, n] "
+              "covering L positions");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
               mask.scalar_type() == at::kBool, "latent_attention: bf16 q and keys, bool mask");
   TORCH_CHECK(q.stride(2) == 1 && keys.stride(2) == 1 && mask.stride(2) == 1,
               "latent_attention: rows must be contiguous");
-  const int64_t B = q.size(0), R = q.size(1), D = q.size(2), L = keys.size(1), Q = mask.size(1), V = value_dim;
   at::Tensor out = at::empty({B, R, V}, q.options());
+  const at::Tensor tables = paged ? block_tables->contiguous() : at::Tensor();
+  const int64_t* table = paged ? tables.data_ptr<int64_t>() : nullptr;
+  // a request's keys in runs of `run` rows: a cache block each, or all L rows of its entry in keys
+  const int64_t run = paged ? keys.size(1) : L, runs = paged ? tables.size(1) : 1, blocks = keys.size(0);
+  const int64_t block_stride = keys.stride(0), row_stride = keys.stride(1);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
   const bool* mp = mask.data_ptr<bool>();
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, B, 1, [&](int64_t first, int64_t last) {
     std::vector<float> probs(kRowBlock * L);
+    std::vector<const uint16_t*> key_rows(L);   // position p's row
     float inv_sum[kRowBlock];
     const bool* allowed[kRowBlock];
     for (int64_t b = first; b < last; b++) {
-      const uint16_t* bk = kp + b * keys.stride(0);
+      for (int64_t i = 0, p = 0; p < L; i++) {
+        const int64_t block = paged ? table[b * runs + i] : b;
+        TORCH_CHECK(block >= 0 && block < blocks, "latent_attention: a block id outside the cache");
+        const uint16_t* block_rows = kp + block * block_stride;
+        for (int64_t row = 0; row < run && p < L; row++, p++) key_rows[p] = block_rows + row * row_stride;
+      }
       for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
         const int64_t rows = std::min(kRowBlock, R - r0);
         for (int64_t r = 0; r < rows; r++) allowed[r] = mp + b * mask.stride(0) + ((r0 + r) % Q) * mask.stride(1);
         std::fill(probs.begin() + rows * L, probs.end(), 0.f);
-        block_probs(qp + b * q.stride(0) + r0 * q.stride(1), q.stride(1), rows, bk, keys.stride(1), allowed, L, D,
+        block_probs(qp + b * q.stride(0) + r0 * q.stride(1), q.stride(1), rows, key_rows.data(), allowed, L, D,
                     float(scale), probs.data(), inv_sum);
-        block_values(probs.data(), inv_sum, L, bk, keys.stride(1), V, op + (b * R + r0) * V, V, rows);
+        block_values(probs.data(), inv_sum, L, key_rows.data(), V, op + (b * R + r0) * V, V, rows);
       }
     }
   });
@@ -161,7 +182,8 @@ at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
-  m.def("latent_attention(Tensor q, Tensor keys, Tensor mask, float scale, int value_dim) -> Tensor");
+  m.def("latent_attention(Tensor q, Tensor keys, Tensor mask, float scale, int value_dim, Tensor? block_tables=None) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpserve_cpu, CPU, m) {
