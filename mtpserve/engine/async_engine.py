@@ -2,7 +2,7 @@
 
 The engine is not thread-safe, so one background thread owns it: every engine call (add_request,
 abort_request, step, get_stats, get_metrics) happens on that thread. Coroutines talk to it through a
-command queue; the thread hands outputs back to each request's asyncio.Queue with call_soon_threadsafe.
+command queue; the thread hands a step's outputs to the requests' asyncio.Queues with one call_soon_threadsafe.
 
     stream = await async_engine.add_request(rid, prompt, prompt_token_ids, params)  # ValueError on bad input
     async for out in stream: ...                  # cumulative RequestOutputs; the last has finished=True
@@ -11,8 +11,7 @@ command queue; the thread hands outputs back to each request's asyncio.Queue wit
 A consumer that stops early (client disconnect) aborts its request, which frees its KV blocks. An
 engine fails one request (engine.py isolates a step that raised because of it), that request's stream gets an
 EngineError; the others carry on. An exception from engine.step() itself fails the requests that were in the
-engine (each gets an EngineError) and
-the loop carries on with new requests, unless a rank of a tensor-parallel engine failed (checked after each
+engine (each gets an EngineError) and the loop carries on with new requests, unless a rank of a tensor-parallel engine failed (checked after each
 failed step and every second while idle): then the loop stops, new requests get EngineDeadError (503) and
 `on_fatal` is called (the server shuts down).
 """
@@ -22,57 +21,10 @@ import threading
 import time
 from collections import deque
 
+from mtpserve.engine.streams import (ADDED, EngineDeadError, EngineError, QueueFullError,  # noqa: F401 (re-exported)
+                                     RequestStream, deliver)
+
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """Too many requests are waiting; the server answers 503 with Retry-After."""
-
-
-class EngineError(Exception):
-    """The engine failed while running this request."""
-
-
-class EngineDeadError(Exception):
-    """The engine loop has stopped."""
-
-
-_ADDED = object()   # first item of a stream: the engine accepted the request
-
-
-class RequestStream:
-    """One request's outputs, filled by the engine thread, read by one coroutine."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncEngine"):
-        self.request_id, self.loop, self.owner = request_id, loop, owner
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-        self.aborted = False
-
-    def put(self, item) -> None:   # engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:       # the event loop is closed: nobody is listening
-            pass
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = self.aborted = True
-            self.owner.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -229,7 +181,7 @@ class AsyncEngine:
                 stream.put(e if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}"))
                 return False
             self._streams[rid] = stream
-            stream.put(_ADDED)
+            stream.put(ADDED)
             return True
         elif command[0] == "fail":
             if self._streams:
@@ -266,13 +218,15 @@ class AsyncEngine:
                 self.on_outputs(outputs, time.monotonic())
             except Exception:
                 logger.exception("on_outputs failed")
+        items = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue   # aborted meanwhile
-            stream.put(EngineError(f"the engine failed this request: {out.error}") if out.error else out)
+            items.append((stream, EngineError(f"the engine failed this request: {out.error}") if out.error else out))
             if out.finished:
                 del self._streams[out.request_id]
+        deliver(items)
 
     def _healthy(self) -> bool:
         """False (and the loop told to stop, on_fatal called) once the engine cannot run steps any more."""
