@@ -11,9 +11,9 @@ command queue; the thread hands a step's outputs to the requests' asyncio.Queues
 A consumer that stops early (client disconnect) aborts its request, which frees its KV blocks. An
 engine fails one request (engine.py isolates a step that raised because of it), that request's stream gets an
 EngineError; the others carry on. An exception from engine.step() itself fails the requests that were in the
-engine (each gets an EngineError) and the loop carries on with new requests, unless a rank of a tensor-parallel engine failed (checked after each
-failed step and every second while idle): then the loop stops, new requests get EngineDeadError (503) and
-`on_fatal` is called (the server shuts down).
+engine (each gets an EngineError) and the loop carries on with new requests, unless a rank of a tensor-parallel
+engine failed (checked after each failed step and every second while idle): then the loop stops, new requests get
+EngineDeadError (503) and `on_fatal` is called (the server shuts down).
 """
 import asyncio
 import logging

@@ -258,10 +258,10 @@ class MLAttention(nn.Module):
             query = to_padded(torch.cat([q_latent, q_pe], dim=-1))           # [B, H, max_q, r + rope]
             # One latent key/value per token, shared by every head: heads become extra query rows (MQA).
             rows = query.reshape(batch, -1, query.shape[-1])
-            if cpu_kernels.usable(rows, kv_cache if keys is None else keys):   # (each row's bits its own)
-                out = cpu_kernels.latent_attention(rows, kv_cache if keys is None else keys,   # (the cache in place)
-                                                   meta.mask.squeeze(1).contiguous(), self.scale, self.kv_lora_rank,
-                                                   meta.block_tables if keys is None else None)
+            source, tables = (kv_cache, meta.block_tables) if keys is None else (keys, None)   # (cache: in place)
+            if cpu_kernels.usable(rows, source):   # (each row's bits its own)
+                out = cpu_kernels.latent_attention(rows, source, meta.mask.squeeze(1).contiguous(), self.scale,
+                                                   self.kv_lora_rank, tables)
             else:
                 keys = gathered()
                 scores = small_bmm(rows, keys.transpose(1, 2)).float() * self.scale    # [B, H * max_q, kv]

@@ -62,6 +62,7 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
   const int64_t T = x.size(0), k = ids.size(1), E = w13.size(0), H = x.size(1), I = w2.size(2);
   const at::Tensor xc = x.contiguous(), wc = weights.contiguous(), ic = ids.contiguous();
   const int64_t* id = ic.data_ptr<int64_t>();
+  const at::BFloat16 *xp = xc.data_ptr<at::BFloat16>(), *wp = wc.data_ptr<at::BFloat16>();
   std::vector<int64_t> start(E + 2, 0);   // counting sort of the choices by expert: start[e + 1] = rows before e's
   for (int64_t i = 0; i < T * k; i++) {
     TORCH_CHECK(id[i] >= 0 && id[i] <= E, "routed_experts: an expert id outside [0, E]");
@@ -77,8 +78,8 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
     if (id[i] == E) continue;
     const int64_t r = start[id[i] + 1]++, t = i / k;
     row_token[r] = t;
-    row_weight[r] = wc.data_ptr<at::BFloat16>()[i];
-    std::copy_n(xc.data_ptr<at::BFloat16>() + t * H, H, g + r * H);
+    row_weight[r] = wp[i];
+    std::copy_n(xp + t * H, H, g + r * H);
   }   // (now start[e]: e's first row)
   at::Tensor gate_up = at::empty({rows, 2 * I}, x.options()), y = at::empty({rows, H}, x.options());
   for (int64_t e = 0; e < E; e++) {
