@@ -41,7 +41,7 @@ def load() -> bool:
         lambda x, wt: x.new_empty(x.shape[0], wt.shape[1]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
         lambda q, keys, mask, scale, value_dim, block_tables=None: q.new_empty(q.shape[0], q.shape[1], value_dim))
-    torch.library.register_fake("mtpserve_cpu::routed_experts")(lambda x, *args: torch.empty_like(x))
+    torch.library.register_fake("mtpserve_cpu::routed_experts")(lambda x, *args, **kw: torch.empty_like(x))
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
     LOADED = True
     return True
@@ -90,8 +90,18 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sc
     return torch.ops.mtpserve_cpu.latent_attention(q, keys, mask, scale, value_dim, block_tables)
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor) -> torch.Tensor:
-    """A MoE layer's routed experts, bf16 x [T, H] with weights and ids [T, k], w13 [E, 2I, H], w2 [H, E, I]: each
-    expert once on the tokens that chose it, as model/moe.py's `_grouped`, bit for bit: csrc/routed_experts.cpp."""
-    return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2)
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2) -> torch.Tensor:
+    """A MoE layer's routed experts, bf16 x [T, H] with weights and ids [T, k], w13 [E, 2I, H], w2 [H, E, I] (bf16
+    tensors, or both int8 weights with their scales: model/int8.py): each expert once on the tokens that chose it, as
+    model/moe.py's `_grouped`, bit for bit: csrc/routed_experts.cpp."""
+    if isinstance(w13, torch.Tensor):
+        return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2)
+    return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13.data, w2.data, w13.scale, w2.scale)
+
+
+def experts_usable(x: torch.Tensor, weights: torch.Tensor, w13, w2) -> bool:
+    """routed_experts can take these: bf16 on the CPU, the experts' weights bf16 tensors or int8 ones (their scales
+    bf16)."""
+    def bf16_parts(w):
+        return (w,) if isinstance(w, torch.Tensor) else (w.scale,) if w.data.dtype == torch.int8 else (None,)
+    return usable(x, weights, *bf16_parts(w13), *bf16_parts(w2))

@@ -137,7 +137,9 @@ class MoE(nn.Module):
         int8 = isinstance(self.w13, Int8Weight)
         partitioned = self.ep.size > 1   # some choices are not this rank's: only the paths that skip them
         if torch.compiler.is_compiling():
-            if int8:   # (the int8 kernel on the CPU; chosen pairs read the few experts hit like the others)
+            if cpu_kernels.experts_usable(x, weights, self.w13, self.w2):   # bf16 or int8: our kernel, at any count
+                return cpu_kernels.routed_experts(x, weights, ids, self.w13, self.w2)
+            if int8:   # (PyTorch's int8 kernel; chosen pairs read the few experts hit like the others)
                 if ids.numel() <= FEW_CHOICES and not partitioned:
                     return _chosen_pairs(x, weights, ids, self.w13, self.w2)
                 return routed_experts_int8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
@@ -150,8 +152,7 @@ class MoE(nn.Module):
             if fp8:   # the experts hit, each dequantized as it runs
                 return routed_experts_fp8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
                                           self.w2.scale, self.w13.block)
-            if not cpu_kernels.usable(x, weights, self.w13, self.w2):   # (usable: _hit_experts runs our kernel)
-                return routed_experts(x, weights, ids, self.w13, self.w2)
+            return routed_experts(x, weights, ids, self.w13, self.w2)
         return _hit_experts(x, weights, ids, self.w13, self.w2)
 
     @torch.no_grad()
@@ -196,7 +197,7 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     w13: [E, 2I, H]; w2: [H, E, I]. An id of E is a choice of an expert held elsewhere (expert parallelism):
     skipped. Every path sums a token's weighted expert outputs in fp32 in expert id order, rounded once (_sum):
     a token's bits do not depend on the path or the other tokens."""
-    if cpu_kernels.usable(x, weights, w13, w2):   # bf16 on the CPU: _grouped's bits in one op of our own
+    if cpu_kernels.experts_usable(x, weights, w13, w2):   # bf16 or int8 on the CPU: _grouped's bits in one op
         return cpu_kernels.routed_experts(x, weights, ids, w13, w2)
     num_experts = len(w13)
     if ids.numel() <= FEW_CHOICES:

@@ -1,7 +1,8 @@
-// A MoE layer's routed experts over many tokens in bf16, each expert once on the tokens that chose it (model/moe.py,
-// `_grouped` in one op):
+// A MoE layer's routed experts in bf16, each expert once on the tokens that chose it (model/moe.py, `_grouped` in one
+// op):
 //     x [T, H], weights [T, k] bf16, ids [T, k] (an id of E: an expert held elsewhere, skipped)
 //     w13 [E, 2I, H] (an expert's gate rows, then its up rows), w2 [H, E, I] (w2[:, e]: expert e's down projection)
+//     int8 experts (model/int8.py): w13 and w2 int8 with their bf16 scales s13 [E, 2I], s2 [H, E] (int8_linear)
 // [t0: e1 e5] [t1: e2 e5] -> rows e1:t0 | e2:t1 | e5:t0 e5:t1, gathered in expert order, then per expert
 //     y = (silu(rows @ gate.T) * (rows @ up.T)) @ down.T        (ATen's silu and mul: eager mode's bits)
 // and out[t] = the fp32 sum, in expert id order, of bf16(y * weight) over t's choices, rounded once to bf16: the
@@ -9,6 +10,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <optional>
 #include <vector>
 
 #include "avx512.h"
@@ -51,14 +53,22 @@ AVX512_BF16 void round_sums(const float* sums, at::BFloat16* out, int64_t n) {
   }
 }
 
+// y = x @ w.T, w bf16 or (scale given) int8
+void product_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, at::Tensor y) {
+  if (scale) int8_linear_into(x, w, *scale, y);
+  else bf16_linear_into(x, w, y);
+}
+
 at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
-                          const at::Tensor& w2) {
+                          const at::Tensor& w2, const std::optional<at::Tensor>& s13,
+                          const std::optional<at::Tensor>& s2) {
   TORCH_CHECK(x.dim() == 2 && weights.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0) &&
               w13.dim() == 3 && w2.dim() == 3 && w13.size(2) == x.size(1) && w2.size(0) == x.size(1) &&
               w2.size(1) == w13.size(0) && w13.size(1) == 2 * w2.size(2),
               "routed_experts: x [T, H], weights and ids [T, k], w13 [E, 2I, H], w2 [H, E, I]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weights.scalar_type() == at::kBFloat16 &&
               ids.scalar_type() == at::kLong, "routed_experts: bf16 x and weights, int64 ids");
+  TORCH_CHECK(s13.has_value() == s2.has_value(), "routed_experts: both scales (int8 experts) or neither");
   const int64_t T = x.size(0), k = ids.size(1), E = w13.size(0), H = x.size(1), I = w2.size(2);
   const at::Tensor xc = x.contiguous(), wc = weights.contiguous(), ic = ids.contiguous();
   const int64_t* id = ic.data_ptr<int64_t>();
@@ -84,14 +94,14 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
   at::Tensor gate_up = at::empty({rows, 2 * I}, x.options()), y = at::empty({rows, H}, x.options());
   for (int64_t e = 0; e < E; e++) {
     if (start[e + 1] == start[e]) continue;
-    at::Tensor part = gate_up.slice(0, start[e], start[e + 1]);
-    bf16_linear_into(gathered.slice(0, start[e], start[e + 1]), w13[e], part);
+    product_into(gathered.slice(0, start[e], start[e + 1]), w13[e], s13 ? std::optional((*s13)[e]) : std::nullopt,
+                 gate_up.slice(0, start[e], start[e + 1]));
   }
   const at::Tensor hidden = at::silu(gate_up.slice(1, 0, I)) * gate_up.slice(1, I, 2 * I);
   for (int64_t e = 0; e < E; e++) {
     if (start[e + 1] == start[e]) continue;
-    at::Tensor part = y.slice(0, start[e], start[e + 1]);
-    bf16_linear_into(hidden.slice(0, start[e], start[e + 1]), w2.select(1, e), part);
+    product_into(hidden.slice(0, start[e], start[e + 1]), w2.select(1, e),
+                 s2 ? std::optional(s2->select(1, e)) : std::nullopt, y.slice(0, start[e], start[e + 1]));
   }
   at::Tensor sums = at::full({T, H}, -0.0f, x.options().dtype(at::kFloat));   // (-0 + a = a for every a)
   add_weighted(y.data_ptr<at::BFloat16>(), row_weight.data(), row_token.data(), rows, sums.data_ptr<float>(), H);
@@ -105,7 +115,8 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
-  m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2) -> Tensor");
+  m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, Tensor? s13=None, "
+        "Tensor? s2=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpserve_cpu, CPU, m) {
