@@ -346,3 +346,13 @@ def test_a_bf16_engine_runs_its_linears_in_the_kernels_and_mtp_keeps_every_bit(t
         if s:
             assert llm.get_metrics()["acceptance_rate"] > 0.3
     assert outs["mtp"] == outs["plain"]
+
+
+def test_every_kernel_source_is_built_and_in_the_graphs_cache_key():
+    """cpu_kernels.SOURCES names every file of csrc/: each .cpp is built, and all of them are digested into inductor's
+    cache key (ops.register_graph_lowerings), so that a graph compiled before a kernel changed is not reused."""
+    import os
+    from mtpserve.model.ops import register_graph_lowerings
+    csrc = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
+    assert sorted(cpu_kernels.SOURCES) == sorted(os.listdir(csrc))
+    assert register_graph_lowerings().uuid().endswith(f"kernels {cpu_kernels.sources_digest()}")

@@ -2,6 +2,7 @@
 (cached under torch's extension directory, ~20 s once) and registered as torch ops, so eager steps and inductor's
 graphs call the same code; loading them also makes csrc/cpu_allocator.cpp the process's CPU allocator. Where a kernel
 cannot run (no AVX512-BF16, no compiler) callers keep PyTorch's ops (and allocator)."""
+import hashlib
 import logging
 import os
 
@@ -11,6 +12,18 @@ logger = logging.getLogger("mtpserve")
 
 
 LOADED = False   # the mtpserve_cpu ops are loaded (load); read by usable
+SOURCES = ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp", "latent_attention.cpp",
+           "routed_experts.cpp", "cpu_allocator.cpp", "avx512.h")
+
+
+def sources_digest() -> str:
+    """A digest of csrc/: compiled graphs call the kernels by their schemas, so one cached before a kernel changed
+    must not be reused (ops.register_graph_lowerings puts it in inductor's cache key)."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        with open(os.path.join(os.path.dirname(__file__), "csrc", name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def load() -> bool:
@@ -21,9 +34,7 @@ def load() -> bool:
         return LOADED
     try:
         from torch.utils.cpp_extension import load as build
-        sources = [os.path.join(os.path.dirname(__file__), "csrc", name)
-                   for name in ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp",
-                                "latent_attention.cpp", "routed_experts.cpp", "cpu_allocator.cpp")]
+        sources = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in SOURCES if name.endswith(".cpp")]
         build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
