@@ -101,18 +101,22 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sc
     return torch.ops.mtpserve_cpu.latent_attention(q, keys, mask, scale, value_dim, block_tables)
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2) -> torch.Tensor:
-    """A MoE layer's routed experts, bf16 x [T, H] with weights and ids [T, k], w13 [E, 2I, H], w2 [H, E, I] (bf16
-    tensors, or both int8 weights with their scales: model/int8.py): each expert once on the tokens that chose it, as
-    model/moe.py's `_grouped`, bit for bit: csrc/routed_experts.cpp."""
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2, few_rows: int) -> torch.Tensor:
+    """A MoE layer's routed experts, x [T, H] with weights and ids [T, k], w13 [E, 2I, H], w2 [H, E, I]: each expert
+    once on the tokens that chose it, as model/moe.py's `_grouped`, bit for bit: csrc/routed_experts.cpp. bf16 x
+    with bf16 experts or int8 ones (model/int8.py), or all fp32, multiplied as layers.linear multiplies (fp32
+    weights stored by columns: our column kernel up to few_rows rows, ATen's linear above)."""
     if isinstance(w13, torch.Tensor):
-        return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2)
+        return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2, few_rows=few_rows)
     return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13.data, w2.data, w13.scale, w2.scale)
 
 
 def experts_usable(x: torch.Tensor, weights: torch.Tensor, w13, w2) -> bool:
-    """routed_experts can take these: bf16 on the CPU, the experts' weights bf16 tensors or int8 ones (their scales
-    bf16)."""
+    """routed_experts can take these: on the CPU, bf16 x and routing weights with bf16 experts or int8 ones (their
+    scales bf16), or all fp32."""
+    if x.dtype == torch.float32:
+        return usable(x, weights, w13, w2, dtype=torch.float32)
+
     def bf16_parts(w):
         return (w,) if isinstance(w, torch.Tensor) else (w.scale,) if w.data.dtype == torch.int8 else (None,)
     return usable(x, weights, *bf16_parts(w13), *bf16_parts(w2))

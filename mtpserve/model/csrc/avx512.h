@@ -46,3 +46,6 @@ void bf16_linear_into(const at::Tensor& x, const at::Tensor& weight, at::Tensor&
 
 // y [M, N] (contiguous, written) = bf16 x [M, K] @ (int8 weight [N, K] * scale [N]).T: int8_linear into a given tensor
 void int8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& y);
+
+// y [M, N] (contiguous, written) = fp32 x [M, K] @ wt [K, N]: fp32_columns_linear into a given tensor
+void fp32_columns_linear_into(const at::Tensor& x, const at::Tensor& wt, at::Tensor& y);
