@@ -35,18 +35,18 @@ AVX512_BF16 inline __m512 load16(const at::BFloat16* p, __mmask16 lanes) {
 
 AVX512_BF16 inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 
-// sums[t] += T(y[r] * weight[r]) for each row r of the experts' outputs, t its token (rows in expert order: a
+// sums[t] += Scalar(y[r] * weight[r]) for each row r of the experts' outputs, t its token (rows in expert order: a
 // token's terms in expert id order)
-template <typename T>
-AVX512_BF16 void add_weighted(const T* y, const T* row_weight, const int64_t* row_token, int64_t rows, float* sums,
-                              int64_t H) {
+template <typename Scalar>
+AVX512_BF16 void add_weighted(const Scalar* y, const Scalar* row_weight, const int64_t* row_token, int64_t rows,
+                              float* sums, int64_t H) {
   for (int64_t r = 0; r < rows; r++) {
     const __m512 w = _mm512_set1_ps(static_cast<float>(row_weight[r]));
     float* sum = sums + row_token[r] * H;
     for (int64_t h = 0; h < H; h += 16) {
       const __mmask16 lanes = first(H - h);
       __m512 term = _mm512_mul_ps(load16(y + r * H + h, lanes), w);
-      if constexpr (std::is_same_v<T, at::BFloat16>) term = round_bf16(term);
+      if constexpr (std::is_same_v<Scalar, at::BFloat16>) term = round_bf16(term);
       __asm__("" : "+v"(term));   // (the product rounded on its own, as PyTorch's: no FMA with the sum)
       _mm512_mask_storeu_ps(sum + h, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sum + h), term));
     }
@@ -70,26 +70,26 @@ void product_into(const at::Tensor& x, const at::Tensor& w, const std::optional<
   else y.copy_(at::linear(x, w));
 }
 
-template <typename T>
+template <typename Scalar>
 at::Tensor routed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
                   const at::Tensor& w2, const std::optional<at::Tensor>& s13, const std::optional<at::Tensor>& s2,
                   int64_t few_rows) {
-  const int64_t T_ = x.size(0), k = ids.size(1), E = w13.size(0), H = x.size(1), I = w2.size(2);
+  const int64_t T = x.size(0), k = ids.size(1), E = w13.size(0), H = x.size(1), I = w2.size(2);
   const at::Tensor xc = x.contiguous(), wc = weights.contiguous(), ic = ids.contiguous();
   const int64_t* id = ic.data_ptr<int64_t>();
-  const T *xp = xc.data_ptr<T>(), *wp = wc.data_ptr<T>();
+  const Scalar *xp = xc.data_ptr<Scalar>(), *wp = wc.data_ptr<Scalar>();
   std::vector<int64_t> start(E + 2, 0);   // counting sort of the choices by expert: start[e + 1] = rows before e's
-  for (int64_t i = 0; i < T_ * k; i++) {
+  for (int64_t i = 0; i < T * k; i++) {
     TORCH_CHECK(id[i] >= 0 && id[i] <= E, "routed_experts: an expert id outside [0, E]");
     start[id[i] + 2]++;
   }
   for (int64_t e = 0; e <= E; e++) start[e + 1] += start[e];
   const int64_t rows = start[E + 1];
   std::vector<int64_t> row_token(rows);
-  std::vector<T> row_weight(rows);
+  std::vector<Scalar> row_weight(rows);
   at::Tensor gathered = at::empty({rows, H}, x.options());
-  T* g = gathered.data_ptr<T>();
-  for (int64_t i = 0; i < T_ * k; i++) {   // (tokens in order: an expert's rows by token)
+  Scalar* g = gathered.data_ptr<Scalar>();
+  for (int64_t i = 0; i < T * k; i++) {   // (tokens in order: an expert's rows by token)
     if (id[i] == E) continue;
     const int64_t r = start[id[i] + 1]++, t = i / k;
     row_token[r] = t;
@@ -108,13 +108,13 @@ at::Tensor routed(const at::Tensor& x, const at::Tensor& weights, const at::Tens
     product_into(hidden.slice(0, start[e], start[e + 1]), w2.select(1, e),
                  s2 ? std::optional(s2->select(1, e)) : std::nullopt, y.slice(0, start[e], start[e + 1]), few_rows);
   }
-  at::Tensor sums = at::full({T_, H}, -0.0f, x.options().dtype(at::kFloat));   // (-0 + a = a for every a)
-  add_weighted<T>(y.data_ptr<T>(), row_weight.data(), row_token.data(), rows, sums.data_ptr<float>(), H);
-  for (int64_t i = 0; i < T_ * k; i++)   // a choice held elsewhere: a zero term, last (E sorts last)
+  at::Tensor sums = at::full({T, H}, -0.0f, x.options().dtype(at::kFloat));   // (-0 + a = a for every a)
+  add_weighted<Scalar>(y.data_ptr<Scalar>(), row_weight.data(), row_token.data(), rows, sums.data_ptr<float>(), H);
+  for (int64_t i = 0; i < T * k; i++)   // a choice held elsewhere: a zero term, last (E sorts last)
     if (id[i] == E) sums[i / k].add_(0.0);
-  if constexpr (std::is_same_v<T, float>) return sums;
-  at::Tensor out = at::empty({T_, H}, x.options());
-  round_sums(sums.data_ptr<float>(), out.data_ptr<at::BFloat16>(), T_ * H);
+  if constexpr (std::is_same_v<Scalar, float>) return sums;
+  at::Tensor out = at::empty({T, H}, x.options());
+  round_sums(sums.data_ptr<float>(), out.data_ptr<at::BFloat16>(), T * H);
   return out;
 }
 
