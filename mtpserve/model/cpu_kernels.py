@@ -52,7 +52,8 @@ def load() -> bool:
         lambda x, wt: x.new_empty(x.shape[0], wt.shape[1]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
         lambda q, keys, mask, scale, value_dim, block_tables=None: q.new_empty(q.shape[0], q.shape[1], value_dim))
-    torch.library.register_fake("mtpserve_cpu::routed_experts")(lambda x, *args, **kw: torch.empty_like(x))
+    for name in ("routed_experts", "routed_int8_experts"):
+        torch.library.register_fake(f"mtpserve_cpu::{name}")(lambda x, *args: torch.empty_like(x))
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
     LOADED = True
     return True
@@ -107,8 +108,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     with bf16 experts or int8 ones (model/int8.py), or all fp32, multiplied as layers.linear multiplies (fp32
     weights stored by columns: our column kernel up to few_rows rows, ATen's linear above)."""
     if isinstance(w13, torch.Tensor):
-        return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2, few_rows=few_rows)
-    return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13.data, w2.data, w13.scale, w2.scale)
+        return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2, few_rows)
+    return torch.ops.mtpserve_cpu.routed_int8_experts(x, weights, ids, w13.data, w13.scale, w2.data, w2.scale)
 
 
 def experts_usable(x: torch.Tensor, weights: torch.Tensor, w13, w2) -> bool:

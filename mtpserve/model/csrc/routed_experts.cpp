@@ -1,9 +1,9 @@
 // A MoE layer's routed experts, each expert once on the tokens that chose it (model/moe.py, `_grouped` in one op):
 //     x [T, H], weights [T, k], ids [T, k] (an id of E: an expert held elsewhere, skipped)
 //     w13 [E, 2I, H] (an expert's gate rows, then its up rows), w2 [H, E, I] (w2[:, e]: expert e's down projection)
-//     bf16: x, weights and experts bf16 (bf16_linear); int8 experts: w13 and w2 int8 with their bf16 scales s13
-//     [E, 2I], s2 [H, E] (int8_linear); fp32: all fp32, each expert's weights stored by columns, multiplied as
-//     layers.linear does (the column kernel up to few_rows rows, ATen's linear above)
+//     bf16: x, weights and experts bf16 (bf16_linear); int8 experts (routed_int8_experts): w13 and w2 int8
+//     with their bf16 scales s13 [E, 2I], s2 [H, E] (int8_linear); fp32: all fp32, each expert's weights stored
+//     by columns, multiplied as layers.linear does (the column kernel up to few_rows rows, ATen's linear above)
 // [t0: e1 e5] [t1: e2 e5] -> rows e1:t0 | e2:t1 | e5:t0 e5:t1, gathered in expert order, then per expert
 //     y = (silu(rows @ gate.T) * (rows @ up.T)) @ down.T        (ATen's silu and mul: eager mode's bits)
 // and out[t] = the fp32 sum, in expert id order, of (y * weight) in x's dtype over t's choices, rounded once to x's
@@ -118,9 +118,8 @@ at::Tensor routed(const at::Tensor& x, const at::Tensor& weights, const at::Tens
   return out;
 }
 
-at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
-                          const at::Tensor& w2, const std::optional<at::Tensor>& s13,
-                          const std::optional<at::Tensor>& s2, int64_t few_rows) {
+void check(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+           const at::Tensor& w2) {
   TORCH_CHECK(x.dim() == 2 && weights.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0) &&
               w13.dim() == 3 && w2.dim() == 3 && w13.size(2) == x.size(1) && w2.size(0) == x.size(1) &&
               w2.size(1) == w13.size(0) && w13.size(1) == 2 * w2.size(2),
@@ -128,19 +127,33 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
               weights.scalar_type() == x.scalar_type() && ids.scalar_type() == at::kLong,
               "routed_experts: bf16 or fp32 x and weights, int64 ids");
-  TORCH_CHECK(s13.has_value() == s2.has_value() && (!s13 || x.scalar_type() == at::kBFloat16),
-              "routed_experts: both scales (int8 experts, bf16 x) or neither");
-  if (x.scalar_type() == at::kFloat) return routed<float>(x, weights, ids, w13, w2, s13, s2, few_rows);
-  return routed<at::BFloat16>(x, weights, ids, w13, w2, s13, s2, few_rows);
+}
+
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+                          const at::Tensor& w2, int64_t few_rows) {
+  check(x, weights, ids, w13, w2);
+  if (x.scalar_type() == at::kFloat) return routed<float>(x, weights, ids, w13, w2, {}, {}, few_rows);
+  return routed<at::BFloat16>(x, weights, ids, w13, w2, {}, {}, few_rows);
+}
+
+at::Tensor routed_int8_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                               const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& w2,
+                               const at::Tensor& s2) {
+  check(x, weights, ids, w13, w2);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "routed_int8_experts: bf16 x");
+  return routed<at::BFloat16>(x, weights, ids, w13, w2, s13, s2, 0);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
-  m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, Tensor? s13=None, "
-        "Tensor? s2=None, int few_rows=8) -> Tensor");
+  // (every argument required: a graph's C++ calls the op with the arguments it was traced with)
+  m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, int few_rows) -> Tensor");
+  m.def("routed_int8_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor s13, Tensor w2, Tensor s2) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpserve_cpu, CPU, m) {
   m.impl("routed_experts", &routed_experts);
+  m.impl("routed_int8_experts", &routed_int8_experts);
 }
