@@ -63,10 +63,10 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
   const at::Tensor xc = x.contiguous(), wc = weights.contiguous(), ic = ids.contiguous();
   const int64_t* id = ic.data_ptr<int64_t>();
   const at::BFloat16 *xp = xc.data_ptr<at::BFloat16>(), *wp = wc.data_ptr<at::BFloat16>();
-  std::vector<int64_t> start(E + 3, 0);   // counting sort of the choices by expert: start[e + 1] = rows before e's
+  std::vector<int64_t> start(E + 2, 0);   // counting sort of the choices by expert: start[e + 1] = rows before e's
   for (int64_t i = 0; i < T * k; i++) {
     TORCH_CHECK(id[i] >= 0 && id[i] <= E, "routed_experts: an expert id outside [0, E]");
-    start[id[i] + 2]++;
+    if (id[i] < E) start[id[i] + 2]++;   // (a choice held elsewhere, E, gets no row)
   }
   for (int64_t e = 0; e <= E; e++) start[e + 1] += start[e];
   const int64_t rows = start[E + 1];
