@@ -164,27 +164,44 @@ def test_every_routed_experts_path_gives_a_token_the_same_bits():
     assert torch.equal(_chosen_pairs(x, weights, ids, w13, w2)[:1], alone)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8", "fp32"])
 @pytest.mark.parametrize("tokens,k,experts,hidden,inter", [(32, 2, 8, 256, 256), (5, 3, 6, 40, 24), (1, 1, 4, 16, 8)])
-def test_routed_experts_kernel_gives_the_grouped_paths_bits(tokens, k, experts, hidden, inter):
-    """csrc/routed_experts.cpp against model/moe.py's `_grouped` (the same products through bf16_linear, ATen's silu
-    and mul, the fp32 sum in expert id order): bit for bit, with experts nobody chose, choices of an expert held
-    elsewhere (id E, expert parallelism) and a token all of whose experts are elsewhere."""
+def test_routed_experts_kernel_gives_the_grouped_paths_bits(tokens, k, experts, hidden, inter, kind):
+    """csrc/routed_experts.cpp against model/moe.py's `_grouped` (the same products through bf16_linear, int8_linear
+    or, in fp32, the column kernel up to FEW_ROWS rows of an expert and ATen's linear above, then ATen's silu and
+    mul, the fp32 sum in expert id order): bit for bit, with experts nobody chose, choices of an expert held
+    elsewhere (id E, expert parallelism) and a token all of whose experts are elsewhere. The experts stacked as
+    MoE.fuse stacks them (int8: w2 expert-major, viewed [H, E, I]; fp32: stored by columns)."""
+    from mtpserve.model.int8 import Int8Weight, quantize_rows
+    from mtpserve.model.layers import FEW_ROWS, by_columns
     from mtpserve.model.moe import _grouped
     gen = torch.Generator().manual_seed(tokens + k)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen).bfloat16()
-    w2 = torch.randn(hidden, experts, inter, generator=gen).bfloat16() / 4
-    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
-    weights, ids = torch.rand(tokens, experts - 1, generator=gen).bfloat16().topk(k, dim=-1)   # (expert E-1: none)
-    expected = _grouped(x, weights, ids, w13, w2)
-    assert torch.equal(cpu_kernels.routed_experts(x, weights, ids, w13, w2).view(torch.int16),
-                       expected.view(torch.int16))
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen).to(dtype)
+    w2 = torch.randn(hidden, experts, inter, generator=gen).to(dtype) / 4
+    if kind == "int8":
+        parts = [quantize_rows(w, torch.bfloat16) for w in w13]
+        w13 = Int8Weight(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]))
+        parts = [quantize_rows(w2[:, e], torch.bfloat16) for e in range(experts)]
+        w2 = Int8Weight(torch.stack([p.data for p in parts]).movedim(0, 1),
+                        torch.stack([p.scale for p in parts]).movedim(0, 1))
+    if kind == "fp32":
+        w13, w2 = by_columns(w13), by_columns(w2.movedim(1, 0)).movedim(0, 1)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weights, ids = torch.rand(tokens, experts - 1, generator=gen).to(dtype).topk(k, dim=-1)   # (expert E-1: none)
+    assert cpu_kernels.experts_usable(x, weights, w13, w2)
+    bits = torch.int32 if kind == "fp32" else torch.int16
+
+    def kernel(chosen):
+        return cpu_kernels.routed_experts(x, weights, chosen, w13, w2, FEW_ROWS)
+    assert torch.equal(kernel(ids).view(bits), _grouped(x, weights, ids, w13, w2).view(bits))
     elsewhere = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.3, experts)
     elsewhere[0] = experts
-    got = cpu_kernels.routed_experts(x, weights, elsewhere, w13, w2)
-    assert torch.equal(got.view(torch.int16), _grouped(x, weights, elsewhere, w13, w2).view(torch.int16))
-    assert torch.equal(got[0], torch.zeros(hidden, dtype=torch.bfloat16))
+    got = kernel(elsewhere)
+    assert torch.equal(got.view(bits), _grouped(x, weights, elsewhere, w13, w2).view(bits))
+    assert torch.equal(got[0], torch.zeros(hidden, dtype=dtype))
     with pytest.raises(RuntimeError, match="outside"):
-        cpu_kernels.routed_experts(x, weights, ids + experts + 1, w13, w2)
+        kernel(ids + experts + 1)
 
 
 def _attention_in_fp64(q, keys, mask, scale, value_dim):
@@ -336,3 +353,13 @@ def test_a_bf16_engine_runs_its_linears_in_the_kernels_and_mtp_keeps_every_bit(t
         if s:
             assert llm.get_metrics()["acceptance_rate"] > 0.3
     assert outs["mtp"] == outs["plain"]
+
+
+def test_every_kernel_source_is_built_and_in_the_graphs_cache_key():
+    """cpu_kernels.SOURCES names every file of csrc/: each .cpp is built, and all of them are digested into inductor's
+    cache key (ops.register_graph_lowerings), so that a graph compiled before a kernel changed is not reused."""
+    import os
+    from mtpserve.model.ops import register_graph_lowerings
+    csrc = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
+    assert sorted(cpu_kernels.SOURCES) == sorted(os.listdir(csrc))
+    assert register_graph_lowerings().uuid().endswith(f"kernels {cpu_kernels.sources_digest()}")

@@ -93,13 +93,17 @@ def test_fp8_graph_mode_matches_eager(checkpoints):
     assert graph == eager
 
 
-def test_fp8_tensor_parallel_shards_dequantize_to_the_slices(checkpoints):
-    """Each rank's FP8 shard (rows or columns of tiles) dequantizes to its slice of the dequantized model."""
-    fp8, dequantized, _ = checkpoints
-    whole = load_model(dequantized).state_dict()
+@pytest.mark.parametrize("stored", ["fp8", "fp32"])
+def test_fp8_tensor_parallel_shards_dequantize_to_the_slices(checkpoints, stored):
+    """Each rank's FP8 shard (rows or columns of tiles) dequantizes to its slice of the one-process FP8 model, and
+    stays FP8: as stored, and quantized online (128-column blocks: rank 1's down projections start at column 48)."""
+    path = checkpoints[0] if stored == "fp8" else checkpoints[2]
+    one = load_model(path, quantization="fp8")
+    whole = {name: weight_of(one.get_submodule(name.rsplit(".", 1)[0])).dequantize(torch.float32)
+             if w.dtype == torch.float8_e4m3fn else w for name, w in one.named_parameters()}
     for rank in range(2):
         tp = TensorParallel(rank, 2)
-        shard = load_model(fp8, tp=tp, quantization="fp8")
+        shard = load_model(path, tp=tp, quantization="fp8")
         checked = 0
         for name, p in shard.named_parameters():
             module = shard.get_submodule(name.rsplit(".", 1)[0])
@@ -107,6 +111,7 @@ def test_fp8_tensor_parallel_shards_dequantize_to_the_slices(checkpoints):
             index = shard_slices(shard_kind(name), tuple(whole[name].shape), tp)
             expected = whole[name] if index is None else whole[name][index]
             assert torch.equal(got[:expected.shape[0]], expected), name
+            assert (p.dtype == torch.float8_e4m3fn) == keeps_fp8(name), name
             checked += p.dtype == torch.float8_e4m3fn
         assert checked > 10
 

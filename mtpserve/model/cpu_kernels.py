@@ -2,6 +2,7 @@
 (cached under torch's extension directory, ~20 s once) and registered as torch ops, so eager steps and inductor's
 graphs call the same code; loading them also makes csrc/cpu_allocator.cpp the process's CPU allocator. Where a kernel
 cannot run (no AVX512-BF16, no compiler) callers keep PyTorch's ops (and allocator)."""
+import hashlib
 import logging
 import os
 
@@ -11,6 +12,18 @@ logger = logging.getLogger("mtpserve")
 
 
 LOADED = False   # the mtpserve_cpu ops are loaded (load); read by usable
+SOURCES = ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp", "latent_attention.cpp",
+           "routed_experts.cpp", "cpu_allocator.cpp", "avx512.h")
+
+
+def sources_digest() -> str:
+    """A digest of csrc/: compiled graphs call the kernels by their schemas, so one cached before a kernel changed
+    must not be reused (ops.register_graph_lowerings puts it in inductor's cache key)."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        with open(os.path.join(os.path.dirname(__file__), "csrc", name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def load() -> bool:
@@ -21,9 +34,7 @@ def load() -> bool:
         return LOADED
     try:
         from torch.utils.cpp_extension import load as build
-        sources = [os.path.join(os.path.dirname(__file__), "csrc", name)
-                   for name in ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp",
-                                "latent_attention.cpp", "routed_experts.cpp", "cpu_allocator.cpp")]
+        sources = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in SOURCES if name.endswith(".cpp")]
         build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
@@ -41,7 +52,8 @@ def load() -> bool:
         lambda x, wt: x.new_empty(x.shape[0], wt.shape[1]))
     torch.library.register_fake("mtpserve_cpu::latent_attention")(
         lambda q, keys, mask, scale, value_dim, block_tables=None: q.new_empty(q.shape[0], q.shape[1], value_dim))
-    torch.library.register_fake("mtpserve_cpu::routed_experts")(lambda x, *args: torch.empty_like(x))
+    for name in ("routed_experts", "routed_int8_experts"):
+        torch.library.register_fake(f"mtpserve_cpu::{name}")(lambda x, *args: torch.empty_like(x))
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
     LOADED = True
     return True
@@ -90,8 +102,22 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sc
     return torch.ops.mtpserve_cpu.latent_attention(q, keys, mask, scale, value_dim, block_tables)
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor) -> torch.Tensor:
-    """A MoE layer's routed experts, bf16 x [T, H] with weights and ids [T, k], w13 [E, 2I, H], w2 [H, E, I]: each
-    expert once on the tokens that chose it, as model/moe.py's `_grouped`, bit for bit: csrc/routed_experts.cpp."""
-    return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2)
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2, few_rows: int) -> torch.Tensor:
+    """A MoE layer's routed experts, x [T, H] with weights and ids [T, k], w13 [E, 2I, H], w2 [H, E, I]: each expert
+    once on the tokens that chose it, as model/moe.py's `_grouped`, bit for bit: csrc/routed_experts.cpp. bf16 x
+    with bf16 experts or int8 ones (model/int8.py), or all fp32, multiplied as layers.linear multiplies (fp32
+    weights stored by columns: our column kernel up to few_rows rows, ATen's linear above)."""
+    if isinstance(w13, torch.Tensor):
+        return torch.ops.mtpserve_cpu.routed_experts(x, weights, ids, w13, w2, few_rows)
+    return torch.ops.mtpserve_cpu.routed_int8_experts(x, weights, ids, w13.data, w13.scale, w2.data, w2.scale)
+
+
+def experts_usable(x: torch.Tensor, weights: torch.Tensor, w13, w2) -> bool:
+    """routed_experts can take these: on the CPU, bf16 x and routing weights with bf16 experts or int8 ones (their
+    scales bf16), or all fp32."""
+    if x.dtype == torch.float32:
+        return usable(x, weights, w13, w2, dtype=torch.float32)
+
+    def bf16_parts(w):
+        return (w,) if isinstance(w, torch.Tensor) else (w.scale,) if w.data.dtype == torch.int8 else (None,)
+    return usable(x, weights, *bf16_parts(w13), *bf16_parts(w2))

@@ -7,6 +7,7 @@ tensor-parallel row slices, fused projections (rows concatenated) and stacked ex
 operations. Dequantizing computes what the loader computes for a dequantized load (fp8 value x scale in float32,
 then the activation dtype), so the output is identical to the dequantized model's.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,14 +51,14 @@ def keeps_fp8(name: str) -> bool:
 
 
 def from_tiles(data: torch.Tensor, scale_inv: torch.Tensor, start: tuple[int, int],
-               block: tuple[int, int]) -> Fp8Weight | None:
-    """A checkpoint's FP8 weight (or this rank's slice of it, starting at row, column `start`) with its tile
-    scales -> an Fp8Weight; None when the slice starts inside a column block (its blocks would straddle tiles)."""
-    if start[1] % block[1]:
-        return None
-    first = start[1] // block[1]
-    scale = scale_inv.float()[(torch.arange(data.shape[0]) + start[0]) // block[0]]
-    return Fp8Weight(data, scale[:, first:first + -(-data.shape[1] // block[1])].contiguous(), block[1])
+               block: tuple[int, int]) -> Fp8Weight:
+    """An FP8 weight (or this rank's slice of it, starting at row, column `start`) with the whole tensor's tile
+    scales -> an Fp8Weight. A slice that starts inside a column tile keeps finer column blocks, each inside one
+    tile: 128-column tiles, a slice from column 48 -> blocks of gcd(128, 48) = 16 columns."""
+    fine = math.gcd(block[1], start[1])
+    rows = (torch.arange(data.shape[0]) + start[0]) // block[0]
+    columns = (torch.arange(0, data.shape[1], fine) + start[1]) // block[1]
+    return Fp8Weight(data, scale_inv.float()[rows][:, columns].contiguous(), fine)
 
 
 def quantize_rows(w: torch.Tensor, block: int = 128) -> Fp8Weight:

@@ -106,15 +106,16 @@ def _read_slice(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, s
 
 
 def _read_fp8(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, stats: LoadStats,
-              device) -> Fp8Weight | None:
-    """This rank's slice of `key` as an Fp8Weight: kept as stored when FP8 (None if the slice starts inside a
-    column tile: then it is dequantized), else quantized now (one scale per row and 128 columns)."""
-    t = _read_raw(f, key, index, stats)
-    if t.dtype == torch.float8_e4m3fn:
-        w = from_tiles(t, _scale_of(f, key, keys), _slice_start(index), _block(cfg))
+              device) -> Fp8Weight:
+    """This rank's slice of `key` in FP8: as stored when FP8, else the slice of the whole tensor quantized now
+    (one scale per row and 128 columns), so that a rank's values are the one-process model's."""
+    if f.get_slice(key).get_dtype() == "F8_E4M3":
+        data, scale, block = _read_raw(f, key, index, stats), _scale_of(f, key, keys), _block(cfg)
     else:
-        w = quantize_rows(t)
-    return None if w is None else Fp8Weight(w.data.to(device, copy=True), w.scale.to(device), w.block)
+        whole = quantize_rows(_read_raw(f, key, None, stats))
+        data, scale, block = whole.data[index or ...], whole.scale, (1, whole.block)
+    w = from_tiles(data, scale, _slice_start(index), block)
+    return Fp8Weight(w.data.to(device, copy=True), w.scale.to(device), w.block)
 
 
 MAP_WINDOW = 32 * 2 ** 20   # bytes read through one mapping of a checkpoint file before it is reopened
@@ -177,11 +178,9 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device="cpu", cfg:
                 loaded.add(name)   # reported once, as wrongly shaped
                 continue
             if quantization == "fp8" and keeps_fp8(name):
-                w = _read_fp8(f, key, keys, index, cfg, stats, device)
-                if w is not None:
-                    set_fp8(owners[name], w)
-                    loaded.add(name)
-                    continue
+                set_fp8(owners[name], _read_fp8(f, key, keys, index, cfg, stats, device))
+                loaded.add(name)
+                continue
             if quantization == "int8" and keeps_fp8(name):   # (the same modules as FP8)
                 set_int8(owners[name], quantize_int8(_read_slice(f, key, keys, index, cfg, stats).to(device), dtype))
                 loaded.add(name)

@@ -8,7 +8,7 @@ from mtpserve.model import cpu_kernels
 from mtpserve.model.attention import SMALL_BMM_ROWS, few_rows_in_cpu_graph
 from mtpserve.model.fp8 import Fp8Weight
 from mtpserve.model.int8 import Int8Weight
-from mtpserve.model.layers import MLP, by_columns, linear, silu_and_mul
+from mtpserve.model.layers import FEW_ROWS, MLP, by_columns, linear, silu_and_mul
 from mtpserve.model.ops import opaque_op
 from mtpserve.model.parallel import ExpertParallel, TensorParallel
 
@@ -137,7 +137,9 @@ class MoE(nn.Module):
         int8 = isinstance(self.w13, Int8Weight)
         partitioned = self.ep.size > 1   # some choices are not this rank's: only the paths that skip them
         if torch.compiler.is_compiling():
-            if int8:   # (the int8 kernel on the CPU; chosen pairs read the few experts hit like the others)
+            if cpu_kernels.experts_usable(x, weights, self.w13, self.w2):   # bf16, int8, fp32: our kernel
+                return cpu_kernels.routed_experts(x, weights, ids, self.w13, self.w2, FEW_ROWS)
+            if int8:   # (PyTorch's int8 kernel; chosen pairs read the few experts hit like the others)
                 if ids.numel() <= FEW_CHOICES and not partitioned:
                     return _chosen_pairs(x, weights, ids, self.w13, self.w2)
                 return routed_experts_int8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
@@ -149,9 +151,8 @@ class MoE(nn.Module):
                 return _chosen_pairs(x, weights, ids, self.w13, self.w2)
             if fp8:   # the experts hit, each dequantized as it runs
                 return routed_experts_fp8(x, weights, ids, self.w13.data, self.w13.scale, self.w2.data,
-                                          self.w2.scale, self.w13.block)
-            if not cpu_kernels.usable(x, weights, self.w13, self.w2):   # (usable: _hit_experts runs our kernel)
-                return routed_experts(x, weights, ids, self.w13, self.w2)
+                                          self.w2.scale, self.w13.block, self.w2.block)
+            return routed_experts(x, weights, ids, self.w13, self.w2)
         return _hit_experts(x, weights, ids, self.w13, self.w2)
 
     @torch.no_grad()
@@ -196,8 +197,8 @@ def _hit_experts(x, weights, ids, w13, w2) -> torch.Tensor:
     w13: [E, 2I, H]; w2: [H, E, I]. An id of E is a choice of an expert held elsewhere (expert parallelism):
     skipped. Every path sums a token's weighted expert outputs in fp32 in expert id order, rounded once (_sum):
     a token's bits do not depend on the path or the other tokens."""
-    if cpu_kernels.usable(x, weights, w13, w2):   # bf16 on the CPU: _grouped's bits in one op of our own
-        return cpu_kernels.routed_experts(x, weights, ids, w13, w2)
+    if cpu_kernels.experts_usable(x, weights, w13, w2):   # on the CPU: _grouped's bits in one op
+        return cpu_kernels.routed_experts(x, weights, ids, w13, w2, FEW_ROWS)
     num_experts = len(w13)
     if ids.numel() <= FEW_CHOICES:
         # A few tokens (decode; verify at small batch): each expert chosen by any of them runs once on all of
@@ -216,7 +217,7 @@ def _grouped(x, weights, ids, w13, w2) -> torch.Tensor:
     num_experts = len(w13)
     ids, by_id = ids.sort(-1)
     flat_ids = ids.flatten()
-    order = flat_ids.argsort()
+    order = flat_ids.argsort(stable=True)   # (an expert's rows in token order, as our kernel gathers them)
     chosen_x = x[order // ids.shape[1]]
     outputs, start = [], 0
     for expert, count in enumerate(torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()):
@@ -271,11 +272,11 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
 
 
 @opaque_op("routed_experts_fp8(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor s13, Tensor w2, Tensor s2, "
-           "int block) -> Tensor", _like_x)
-def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                       s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block: int) -> torch.Tensor:
-    """The same with FP8 experts (w13/w2 and their scales), each expert dequantized as it runs."""
-    return _hit_experts(x, weights, ids, Fp8Weight(w13, s13, block), Fp8Weight(w2, s2, block))
+           "int block13, int block2) -> Tensor", _like_x)
+def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
+                       w2: torch.Tensor, s2: torch.Tensor, block13: int, block2: int) -> torch.Tensor:
+    """The same with FP8 experts (w13/w2, their scales and column blocks), each expert dequantized as it runs."""
+    return _hit_experts(x, weights, ids, Fp8Weight(w13, s13, block13), Fp8Weight(w2, s2, block2))
 
 
 @opaque_op("routed_experts_int8(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor s13, Tensor w2, "

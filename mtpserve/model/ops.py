@@ -5,6 +5,8 @@ import logging
 
 import torch
 
+from mtpserve.model import cpu_kernels
+
 _library = torch.library.Library("mtpserve", "DEF")
 _as_aten: list = []   # (op, ATen op, args of the ATen call from the op's): ops that are one ATen call
 
@@ -30,7 +32,8 @@ def register_graph_lowerings():
     which the C++ wrapper calls through the dispatcher with no Python in between (inductor warns that such ATen
     ops have no C shim of their own: expected here, so those warnings are dropped). Returns a graph pass that
     changes nothing, for inductor's post_grad_custom_post_pass: its uuid puts these lowerings in inductor's
-    cache key (a graph cached without them would call the Python kernels)."""
+    cache key (a graph cached without them would call the Python kernels), and our kernels' sources (a graph
+    cached before a kernel's schema changed would call it with the old arguments)."""
     from torch._inductor import lowering
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -39,7 +42,8 @@ def register_graph_lowerings():
             pass
 
         def uuid(self):
-            return "mtpserve as_aten: " + ", ".join(f"{op} -> {aten_op}" for op, aten_op, _ in _as_aten)
+            return ("mtpserve as_aten: " + ", ".join(f"{op} -> {aten_op}" for op, aten_op, _ in _as_aten)
+                    + f"; kernels {cpu_kernels.sources_digest()}")
 
     if not all(op in lowering.lowerings for op, _, _ in _as_aten):   # (once per process)
         aten_ops = {aten_op for _, aten_op, _ in _as_aten}

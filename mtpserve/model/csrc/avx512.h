@@ -43,3 +43,9 @@ AVX512_BF16 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // y [M, N] (contiguous, written) = x [M, K] @ weight [N, K].T in bf16: bf16_linear into a given tensor
 void bf16_linear_into(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y);
+
+// y [M, N] (contiguous, written) = bf16 x [M, K] @ (int8 weight [N, K] * scale [N]).T: int8_linear into a given tensor
+void int8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& y);
+
+// y [M, N] (contiguous, written) = fp32 x [M, K] @ wt [K, N]: fp32_columns_linear into a given tensor
+void fp32_columns_linear_into(const at::Tensor& x, const at::Tensor& wt, at::Tensor& y);

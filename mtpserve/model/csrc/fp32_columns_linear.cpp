@@ -84,11 +84,19 @@ AVX512_BF16 void columns(const float* x, int64_t x_stride, const float* wt, int6
 }
 
 at::Tensor fp32_columns_linear(const at::Tensor& x, const at::Tensor& wt) {
+  at::Tensor y = at::empty({x.size(0), wt.size(1)}, x.options());
+  fp32_columns_linear_into(x, wt, y);
+  return y;
+}
+
+}  // namespace
+
+void fp32_columns_linear_into(const at::Tensor& x, const at::Tensor& wt, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && wt.dim() == 2 && x.size(1) == wt.size(0), "fp32_columns_linear: x [M, K], wt [K, N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, "fp32_columns_linear: fp32 only");
   TORCH_CHECK(x.stride(1) == 1 && wt.stride(1) == 1, "fp32_columns_linear: rows must be contiguous");
+  TORCH_CHECK(y.is_contiguous() && y.size(0) == x.size(0) && y.size(1) == wt.size(1), "fp32_columns_linear: y [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = wt.size(1), width = 16 * kVectors;
-  at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -97,10 +105,7 @@ at::Tensor fp32_columns_linear(const at::Tensor& x, const at::Tensor& wt) {
   at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
     columns(xp, x.stride(0), wp, wt.stride(0), yp, N, M, K, first * width, std::min(N, last * width));
   });
-  return y;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
   m.def("fp32_columns_linear(Tensor x, Tensor wt) -> Tensor");
