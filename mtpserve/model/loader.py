@@ -107,14 +107,14 @@ def _read_slice(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, s
 
 def _read_fp8(f, key: str, keys: set, index: tuple | None, cfg: ModelConfig, stats: LoadStats,
               device) -> Fp8Weight:
-    """This rank's slice of `key` in FP8: as stored when FP8, else the slice of the whole tensor quantized now
-    (one scale per row and 128 columns), so that a rank's values are the one-process model's."""
+    """This rank's slice of `key` in FP8: as stored when FP8; else quantized now, each of this rank's rows in full
+    (one scale per row and 128 columns, as the one-process model has them), then cut to this rank's columns."""
     if f.get_slice(key).get_dtype() == "F8_E4M3":
-        data, scale, block = _read_raw(f, key, index, stats), _scale_of(f, key, keys), _block(cfg)
+        w = from_tiles(_read_raw(f, key, index, stats), _scale_of(f, key, keys), _slice_start(index), _block(cfg))
     else:
-        whole = quantize_rows(_read_raw(f, key, None, stats))
-        data, scale, block = whole.data[index or ...], whole.scale, (1, whole.block)
-    w = from_tiles(data, scale, _slice_start(index), block)
+        rows = quantize_rows(_read_raw(f, key, None if index is None else index[:1], stats))
+        columns = (slice(None), *(index or ())[1:])
+        w = from_tiles(rows.data[columns], rows.scale, (0, _slice_start(index)[1]), (1, rows.block))
     return Fp8Weight(w.data.to(device, copy=True), w.scale.to(device), w.block)
 
 
