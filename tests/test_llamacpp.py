@@ -81,3 +81,10 @@ def test_a_llamacpp_run_that_aborts_is_measured_again_without_repacking(monkeypa
     got = llamacpp._theirs("m.gguf", 1, [16], 4, [1, 8], 1, log=lambda *a: None)
     assert got == {"pp16": 90.0, "tg4": 30.0, "batch8": 120.0, "repacked": 0.0}
     assert len(calls) == 3 and "--no-repack" in calls[2]
+
+
+def test_a_peer_run_without_k_0_is_refused_before_anything_is_built():
+    """Our prompt speed is the engine's without speculation: --ks without 0 is refused at once (it used to fail
+    with a KeyError after the engines were built and timed)."""
+    with pytest.raises(SystemExit, match="--ks 2: must include 0"):
+        llamacpp.run_llamacpp("no-such-model", ["int8"], [2], True, [1], [512], 32, 128, 2, 1, None)

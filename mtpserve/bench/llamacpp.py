@@ -81,6 +81,8 @@ def run_llamacpp(model: str, dtypes: list[str], ks: list[int], adaptive: bool, b
                  enforce_eager: bool | None, draft_vocab: int = 0, log=print) -> dict:
     """Per dtype: llama.cpp, then ours, then llama.cpp again (their figures: the mean of the two runs). draft_vocab:
     our MTP engines draft over that many most frequent tokens (0: the whole vocabulary)."""
+    if 0 not in ks:   # (before minutes of building: our prompt speed is the engine's without speculation)
+        raise SystemExit(f"--ks {','.join(map(str, ks))}: must include 0 (prompts are timed without speculation)")
     from mtpserve.config import ModelConfig
     positions = ModelConfig.from_pretrained(model).max_position_embeddings
     longest = max([n + 1 for n in prompt_lens] + [input_len + output_len])
