@@ -285,15 +285,17 @@ def test_adaptive_k_compiled_in_the_background_times_its_graphs_once_built(tmp_p
     start_building.set()
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False)] == want
-    graphs.drain()
+    runs, run_fused = [], graphs.run_fused
+    graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
+    before = llm.get_metrics()
+    # every graph queued built, then the steps timed again, as graphs (LLM.generate's idle does the latter once
+    # nothing compiles); they count in no metric
+    engine.wait_for_graphs()
+    assert not graphs.compiling() and {(str(which), q) for which, _, q in graphs.graphs} >= queued
     # the timing's graphs compiled in compile_order (runner/background.py): fused steps, then the passes apart
     # (each is loaded once compiled and once a step reached its batch size: that order depends on timing)
     fused_first = [which.kind == "fused" for which, _, _ in compiled[:after_timing[0][1]]]
     assert fused_first[0] and not fused_first[-1] and fused_first == sorted(fused_first, reverse=True)
-    runs, run_fused = [], graphs.run_fused
-    graphs.run_fused = lambda *a, **kw: runs.append(1) or run_fused(*a, **kw)
-    before = llm.get_metrics()
-    engine.idle()   # (LLM.generate runs it too) the steps timed again, as graphs; they count in no metric
     assert llm.get_metrics() == before and before["num_drafts"] > 0
     assert engine.graphs_timed == len(graphs.graphs) >= 2 and engine.policy.table is not table
     assert set(engine.policy.table) == {0, 1} and len(runs) > 8

@@ -49,6 +49,7 @@ def build_engine(model: str, spec: dict | None, max_batch: int, max_len: int, en
                                    tensor_parallel_size=tensor_parallel_size, overlap=overlap, **graphs,
                                    **{**ENGINE_DEFAULTS, **extra})
     engine.calibrate()
+    engine.wait_for_graphs()
     return engine
 
 
@@ -99,6 +100,7 @@ def run_interleaved(engines: dict, batch_sizes: list[int], input_len: int, outpu
                                   first.tokenizer)
     for eng in engines.values():
         run_batch(eng, prompts[:2], min(8, output_len), tag="w")
+        eng.wait_for_graphs()   # (graphs the warm-up asked for: none timed eagerly, no compiler beside another engine)
     runs = {(bs, name): [] for bs in batch_sizes for name in engines}
     for it in range(num_iters):
         for bs in batch_sizes:

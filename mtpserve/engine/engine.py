@@ -90,6 +90,13 @@ class LLMEngine:
                 and len(graphs.graphs) > self.graphs_timed and not self.has_unfinished_requests()):
             self.calibrate()
 
+    def wait_for_graphs(self) -> None:
+        """Returns once the compiler thread has built every graph queued so far, adaptive k re-timed on them
+        (benchmarks: nothing timed runs eagerly or beside a compiler process on the other core)."""
+        if self.use_graphs:
+            self.runner.graphs.drain()
+        self.idle()
+
     def counters(self) -> tuple:
         """The cumulative counters (spec decoding; per scheduler preemptions, prefix-cache queries and hits)."""
         return copy.deepcopy(self.spec_metrics), [(s.num_preemptions, s.block_manager.num_queries,
