@@ -1,5 +1,5 @@
 // What the CPU kernels share: the target they are compiled for, the linear kernels' block, tile and thread share, a
-// masked load, a four-way sum, the bf16 linear.
+// weight prefetch, a masked load, a four-way sum, the bf16 linear.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
@@ -9,6 +9,10 @@
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 namespace {
+
+// weights the kernels read next, prefetched into L2 (T1), not L1 (T0): from DRAM, more of them in flight
+// (docs/history.md)
+inline void prefetch_weights(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
 constexpr int64_t kBlock = 8;    // weight rows the linear kernels read together

@@ -27,7 +27,7 @@ AVX512_BF16 void tile_times_weight(const uint16_t* x, int64_t x_stride, const ui
   for (; k + kLanes <= K; k += kLanes) {
     for (int64_t t = 0; t < T; t++) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + k);
     for (int64_t r = 0; r < R; r++) {
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * w_stride + k), _MM_HINT_T0);
+      if (prefetch) prefetch_weights(block + (R + r) * w_stride + k);
       __m512bh wv = (__m512bh)_mm512_loadu_si512(block + r * w_stride + k);
       for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
     }

@@ -34,7 +34,7 @@ AVX512_BF16 void tile(const float* x, int64_t x_stride, const float* wt, int64_t
     const float* row = wt + k * w_stride;
     if (k + kAhead < K)
       for (int64_t v = 0; v < V; v++)
-        _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * w_stride + 16 * v), _MM_HINT_T0);
+        prefetch_weights(row + kAhead * w_stride + 16 * v);
     for (int64_t v = 0; v < V; v++) w[v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : 0xffff, row + 16 * v);
     for (int64_t t = 0; t < T; t++) {
       const __m512 xk = _mm512_set1_ps(x[t * x_stride + k]);

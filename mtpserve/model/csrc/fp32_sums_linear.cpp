@@ -49,7 +49,7 @@ AVX512_BF16 void tile_times(const X* x, int64_t x_stride, const W* block, int64_
     // (the next block prefetched a cache line at a time)
     const bool new_line = prefetch && k % (64 / int64_t(sizeof(W))) == 0;
     for (int64_t r = 0; r < R; r++) {
-      if (new_line) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * w_stride + k), _MM_HINT_T0);
+      if (new_line) prefetch_weights(block + (R + r) * w_stride + k);
       __m512 wv = widen16(block + r * w_stride + k, kFloats);
       for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_fmadd_ps(wv, xv[t], acc[t][r]);
     }
