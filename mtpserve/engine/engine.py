@@ -91,8 +91,8 @@ class LLMEngine:
             self.calibrate()
 
     def wait_for_graphs(self) -> None:
-        """Returns once the compiler thread has built every graph queued so far, adaptive k re-timed on them
-        (benchmarks: nothing timed runs eagerly or beside a compiler process on the other core)."""
+        """Returns once the compiler thread has built every graph queued so far, then `idle` (benchmarks: nothing
+        timed runs eagerly or beside a compiler process on the other core)."""
         if self.use_graphs:
             self.runner.graphs.drain()
         self.idle()
