@@ -16,6 +16,7 @@ inline void prefetch_weights(const void* p) { _mm_prefetch(reinterpret_cast<cons
 
 constexpr int64_t kLanes = 32;   // bf16 values in a 512-bit register
 constexpr int64_t kBlock = 8;    // weight rows the linear kernels read together
+constexpr int64_t kAheadBlocks = 2;   // blocks ahead that the bf16 kernel prefetches (docs/history.md)
 constexpr int64_t kTile = 3;     // rows of x they multiply together (3 x 8 sums in registers)
 constexpr int64_t kShareBytes = 32 << 10;   // the weight bytes a thread reads at least (fewer: one thread)
 

@@ -2,9 +2,9 @@
 // step on a CPU with AVX512-BF16. Each output is one fp32 dot product (VDPBF16PS, 32 products an instruction)
 // rounded once to bf16. Eight weight rows at a time, each read once from memory for all M rows of x:
 //     y[m, n..n+7] = x[m] . w[n..n+7]        for m in 0..M-1, the eight rows then in L1
-// Each 32 weights are loaded once for up to three rows of x. bf16_bmm: the same per batch entry (MLA's absorbed
-// projections, one per head). An output depends on its own row of x only: a row gives the same bits alone or in any
-// batch.
+// Each 32 weights are loaded once for up to three rows of x; for one row, a weight row's weights are read in order
+// (docs/history.md). bf16_bmm: the same per batch entry (MLA's absorbed projections, one per head). An output depends
+// on its own row of x only: a row gives the same bits alone or in any batch.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -15,7 +15,9 @@
 
 namespace {
 
-// y[m, n..n+R-1] = x[m] . w[n..n+R-1] for T rows m of x at once: each 32 weights loaded once for the T rows
+// y[m, n..n+R-1] = x[m] . w[n..n+R-1] for T rows m of x at once, each 32 weights loaded once for the T rows. One
+// row of x: a weight row at a time (its weights read in order); more: the R rows side by side, x in registers.
+// Either way a sum adds its products in order of k: the same bits.
 template <int64_t R, int64_t T>
 AVX512_BF16 void tile_times_weight(const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t w_stride,
                                    at::BFloat16* y, int64_t N, int64_t K, bool prefetch) {
@@ -23,20 +25,32 @@ AVX512_BF16 void tile_times_weight(const uint16_t* x, int64_t x_stride, const ui
   __m512bh xv[T];
   for (int64_t t = 0; t < T; t++)
     for (int64_t r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    for (int64_t t = 0; t < T; t++) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + k);
+  const int64_t full = K / kLanes * kLanes;   // (the last K % 32 values apart, by masked loads: zeros past K)
+  if constexpr (T == 1) {
     for (int64_t r = 0; r < R; r++) {
-      if (prefetch) prefetch_weights(block + (R + r) * w_stride + k);
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(block + r * w_stride + k);
-      for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
+      const uint16_t* row = block + r * w_stride;
+      for (int64_t k = 0; k < full; k += kLanes) {
+        if (prefetch) prefetch_weights(row + kAheadBlocks * R * w_stride + k);
+        acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)_mm512_loadu_si512(row + k),
+                                     (__m512bh)_mm512_loadu_si512(x + k));
+      }
+      if (full < K) acc[0][r] = _mm512_dpbf16_ps(acc[0][r], load32(row + full, K - full), load32(x + full, K - full));
     }
-  }
-  if (k < K) {   // the last K % 32 values (masked loads: zeros past K)
-    for (int64_t t = 0; t < T; t++) xv[t] = load32(x + t * x_stride + k, K - k);
-    for (int64_t r = 0; r < R; r++) {
-      __m512bh wv = load32(block + r * w_stride + k, K - k);
-      for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
+  } else {
+    for (int64_t k = 0; k < full; k += kLanes) {
+      for (int64_t t = 0; t < T; t++) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + k);
+      for (int64_t r = 0; r < R; r++) {
+        if (prefetch) prefetch_weights(block + (kAheadBlocks * R + r) * w_stride + k);
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(block + r * w_stride + k);
+        for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
+      }
+    }
+    if (full < K) {
+      for (int64_t t = 0; t < T; t++) xv[t] = load32(x + t * x_stride + full, K - full);
+      for (int64_t r = 0; r < R; r++) {
+        __m512bh wv = load32(block + r * w_stride + full, K - full);
+        for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, xv[t]);
+      }
     }
   }
   for (int64_t t = 0; t < T; t++) {
