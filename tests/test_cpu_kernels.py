@@ -59,6 +59,12 @@ def test_bf16_linear_reads_a_strided_weight_and_rows_as_the_batch_leaves_them():
         assert torch.equal(split, cpu_kernels.bf16_linear(rows, big))
     finally:
         torch.set_num_threads(threads)
+    # one row reads a weight row after another, more rows read the rows side by side: the same sums, tails too
+    odd, wide = torch.randn(5, 1000, generator=gen).bfloat16(), torch.randn(2051, 1000, generator=gen).bfloat16()
+    for take in (2, 3, 5):
+        together = cpu_kernels.bf16_linear(odd[:take], wide)
+        for r in range(take):
+            assert torch.equal(cpu_kernels.bf16_linear(odd[r:r + 1], wide), together[r:r + 1])
     columns = torch.randn(64, 6, generator=gen).bfloat16().t()   # rows not contiguous: copied first
     assert torch.equal(cpu_kernels.bf16_linear(columns, stacked[:, 3]),
                        cpu_kernels.bf16_linear(columns.contiguous(), stacked[:, 3]))
