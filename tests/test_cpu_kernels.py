@@ -170,14 +170,15 @@ def test_every_routed_experts_path_gives_a_token_the_same_bits():
     assert torch.equal(_chosen_pairs(x, weights, ids, w13, w2)[:1], alone)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "fp32"])
+@pytest.mark.parametrize("kind", ["bf16", "bf16_side_by_side", "int8", "fp32"])
 @pytest.mark.parametrize("tokens,k,experts,hidden,inter", [(32, 2, 8, 256, 256), (5, 3, 6, 40, 24), (1, 1, 4, 16, 8)])
 def test_routed_experts_kernel_gives_the_grouped_paths_bits(tokens, k, experts, hidden, inter, kind):
     """csrc/routed_experts.cpp against model/moe.py's `_grouped` (the same products through bf16_linear, int8_linear
     or, in fp32, the column kernel up to FEW_ROWS rows of an expert and ATen's linear above, then ATen's silu and
     mul, the fp32 sum in expert id order): bit for bit, with experts nobody chose, choices of an expert held
     elsewhere (id E, expert parallelism) and a token all of whose experts are elsewhere. The experts stacked as
-    MoE.fuse stacks them (int8: w2 expert-major, viewed [H, E, I]; fp32: stored by columns)."""
+    MoE.fuse stacks them on the CPU (w2 expert-major, viewed [H, E, I]; fp32: stored by columns), and bf16 also side
+    by side (as on CUDA, and as training's unfused experts reach the kernel)."""
     from mtpserve.model.int8 import Int8Weight, quantize_rows
     from mtpserve.model.layers import FEW_ROWS, by_columns
     from mtpserve.model.moe import _grouped
@@ -193,6 +194,8 @@ def test_routed_experts_kernel_gives_the_grouped_paths_bits(tokens, k, experts, 
                         torch.stack([p.scale for p in parts]).movedim(0, 1))
     if kind == "fp32":
         w13, w2 = by_columns(w13), by_columns(w2.movedim(1, 0)).movedim(0, 1)
+    if kind == "bf16":
+        w2 = w2.movedim(1, 0).contiguous().movedim(0, 1)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, ids = torch.rand(tokens, experts - 1, generator=gen).to(dtype).topk(k, dim=-1)   # (expert E-1: none)
     assert cpu_kernels.experts_usable(x, weights, w13, w2)

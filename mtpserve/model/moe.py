@@ -158,17 +158,18 @@ class MoE(nn.Module):
     @torch.no_grad()
     def fuse(self) -> None:
         """Inference only: the experts' weights become views of two tensors, w13 [E, 2I, H] (gate and up of
-        an expert as one GEMM) and w2 [H, E, I] (all down projections side by side: one GEMM over all
-        experts' outputs); the state dict keeps its names. FP8 and int8 experts are stacked with their scales;
-        int8 down projections are stacked expert-major [E, H, I] and viewed as [H, E, I], so that one expert's
-        w2[:, e] is contiguous (the int8 kernel reads its weight and scales so)."""
+        an expert as one GEMM) and w2 [H, E, I]; the state dict keeps its names. On CUDA w2 lies as [H, E, I]
+        (all down projections side by side: one GEMM over all experts' outputs); elsewhere it is stored
+        expert-major [E, H, I] and viewed as [H, E, I], so that one expert's w2[:, e] is contiguous (the CPU
+        kernels read one expert at a time). FP8 and int8 experts are stacked with their scales."""
         def stack(attr):
             down = [getattr(e.down_proj, attr) for e in experts]
             return (torch.stack([torch.cat([getattr(e.gate_proj, attr), getattr(e.up_proj, attr)]) for e in experts]),
-                    torch.stack(down).movedim(0, 1) if int8 else torch.stack(down, dim=1))
+                    torch.stack(down, dim=1) if side_by_side else torch.stack(down).movedim(0, 1))
 
         experts = list(self.experts.values())
         int8 = getattr(experts[0].gate_proj, "int8_scale", None) is not None
+        side_by_side = experts[0].gate_proj.weight.is_cuda and not int8
         w13, w2 = stack("weight")
         w13, w2 = by_columns(w13), by_columns(w2.movedim(1, 0)).movedim(0, 1)   # (w2[:, e] by columns too)
         inter = w2.shape[-1]

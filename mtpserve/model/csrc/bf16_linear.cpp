@@ -96,24 +96,28 @@ void check(const at::Tensor& x, const at::Tensor& weight, int64_t dims) {
   TORCH_CHECK(x.stride(-1) == 1 && weight.stride(-1) == 1, "bf16 kernel: rows must be contiguous");
 }
 
-// y[b] = x[b] @ weight[b].T for b in 0..B-1 (B = 1: a linear). Torch's threads split the B x N weight rows by
-// blocks, each thread's share at least kShareBytes read per tile of rows (one thread below that).
-void batched(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, int64_t B) {
-  const int64_t M = x.size(-2), N = weight.size(-2), K = x.size(-1);
-  const int64_t x_batch = B > 1 ? x.stride(0) : 0, w_batch = B > 1 ? weight.stride(0) : 0;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  auto* yp = y.data_ptr<at::BFloat16>();
+// y[b] = x[b] @ w[b].T for b in 0..B-1 (B = 1: a linear), x [M, K] and w [N, K] by rows of the given strides, y
+// [M, N] contiguous. Torch's threads split the B x N weight rows by blocks, each thread's share at least kShareBytes
+// read per tile of rows (one thread below that).
+void batched(const uint16_t* xp, int64_t x_stride, int64_t x_batch, const uint16_t* wp, int64_t w_stride,
+             int64_t w_batch, at::BFloat16* yp, int64_t B, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = (N + kBlock - 1) / kBlock, tiles = (M + kTile - 1) / kTile;
   const int64_t grain = share_grain(kBlock * K * 2, tiles);
   at::parallel_for(0, B * blocks, grain, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last;) {   // blocks first..last-1, one batch entry at a time
       const int64_t b = i / blocks, end = std::min(last, (b + 1) * blocks);
-      rows_times_weight(xp + b * x_batch, x.stride(-2), wp + b * w_batch, weight.stride(-2), yp + b * M * N, M, N, K,
+      rows_times_weight(xp + b * x_batch, x_stride, wp + b * w_batch, w_stride, yp + b * M * N, M, N, K,
                         (i - b * blocks) * kBlock, std::min(N, (end - b * blocks) * kBlock));
       i = end;
     }
   });
+}
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
+void batched(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, int64_t B) {
+  batched(bits(x), x.stride(-2), B > 1 ? x.stride(0) : 0, bits(weight), weight.stride(-2), B > 1 ? weight.stride(0) : 0,
+          y.data_ptr<at::BFloat16>(), B, x.size(-2), weight.size(-2), x.size(-1));
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
@@ -137,6 +141,10 @@ void bf16_linear_into(const at::Tensor& x, const at::Tensor& weight, at::Tensor&
   check(x, weight, 2);
   TORCH_CHECK(y.is_contiguous() && y.size(0) == x.size(0) && y.size(1) == weight.size(0), "bf16_linear_into: y [M, N]");
   batched(x, weight, y, 1);
+}
+void bf16_rows_into(const at::BFloat16* x, const at::BFloat16* w, int64_t w_stride, at::BFloat16* y, int64_t M,
+                    int64_t N, int64_t K) {
+  batched(reinterpret_cast<const uint16_t*>(x), K, 0, reinterpret_cast<const uint16_t*>(w), w_stride, 0, y, 1, M, N, K);
 }
 
 TORCH_LIBRARY(mtpserve_cpu, m) {

@@ -60,14 +60,27 @@ AVX512_BF16 void round_sums(const float* sums, at::BFloat16* out, int64_t n) {
   }
 }
 
-// y = x @ w.T as layers.linear multiplies: bf16, int8 (scale given), or fp32 (w stored by columns: the column kernel
-// up to few_rows rows of x, ATen's linear above)
-void product_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale, at::Tensor y,
-                  int64_t few_rows) {
-  if (scale) int8_linear_into(x, w, *scale, y);
-  else if (x.scalar_type() == at::kBFloat16) bf16_linear_into(x, w, y);
-  else if (w.stride(0) == 1 && x.size(0) <= few_rows) fp32_columns_linear_into(x, w.t(), y);
-  else y.copy_(at::linear(x, w));
+// y[first..first+n) = x[first..first+n) @ w_e.T for expert e, w_e = w.select(dim, e) [N, K] (x and y contiguous), as
+// layers.linear multiplies: bf16 from pointers (no tensor made per expert), int8 (its scales' select(dim, e)), or
+// fp32 (w_e stored by columns: the column kernel up to few_rows rows of x, ATen's linear above)
+template <typename Scalar>
+void expert_product(const at::Tensor& x, const at::Tensor& w, int64_t dim, int64_t e,
+                    const std::optional<at::Tensor>& scale, at::Tensor& y, int64_t first, int64_t n, int64_t few_rows) {
+  if (n == 0) return;
+  const int64_t K = x.size(1), N = y.size(1);
+  if constexpr (std::is_same_v<Scalar, at::BFloat16>) {
+    if (!scale) {
+      TORCH_CHECK(w.stride(2) == 1, "routed_experts: bf16 expert rows must be contiguous");
+      bf16_rows_into(x.data_ptr<Scalar>() + first * K, w.data_ptr<Scalar>() + e * w.stride(dim), w.stride(1 - dim),
+                     y.data_ptr<Scalar>() + first * N, n, N, K);
+      return;
+    }
+  }
+  const at::Tensor xe = x.slice(0, first, first + n), we = w.select(dim, e);
+  at::Tensor ye = y.slice(0, first, first + n);
+  if (scale) int8_linear_into(xe, we, scale->select(dim, e), ye);
+  else if (we.stride(0) == 1 && n <= few_rows) fp32_columns_linear_into(xe, we.t(), ye);
+  else ye.copy_(at::linear(xe, we));
 }
 
 template <typename Scalar>
@@ -97,17 +110,11 @@ at::Tensor routed(const at::Tensor& x, const at::Tensor& weights, const at::Tens
     std::copy_n(xp + t * H, H, g + r * H);
   }   // (now start[e]: e's first row)
   at::Tensor gate_up = at::empty({rows, 2 * I}, x.options()), y = at::empty({rows, H}, x.options());
-  for (int64_t e = 0; e < E; e++) {
-    if (start[e + 1] == start[e]) continue;
-    product_into(gathered.slice(0, start[e], start[e + 1]), w13[e], s13 ? std::optional((*s13)[e]) : std::nullopt,
-                 gate_up.slice(0, start[e], start[e + 1]), few_rows);
-  }
+  for (int64_t e = 0; e < E; e++)
+    expert_product<Scalar>(gathered, w13, 0, e, s13, gate_up, start[e], start[e + 1] - start[e], few_rows);
   const at::Tensor hidden = at::silu(gate_up.slice(1, 0, I)) * gate_up.slice(1, I, 2 * I);
-  for (int64_t e = 0; e < E; e++) {
-    if (start[e + 1] == start[e]) continue;
-    product_into(hidden.slice(0, start[e], start[e + 1]), w2.select(1, e),
-                 s2 ? std::optional(s2->select(1, e)) : std::nullopt, y.slice(0, start[e], start[e + 1]), few_rows);
-  }
+  for (int64_t e = 0; e < E; e++)
+    expert_product<Scalar>(hidden, w2, 1, e, s2, y, start[e], start[e + 1] - start[e], few_rows);
   at::Tensor sums = at::full({T, H}, -0.0f, x.options().dtype(at::kFloat));   // (-0 + a = a for every a)
   add_weighted<Scalar>(y.data_ptr<Scalar>(), row_weight.data(), row_token.data(), rows, sums.data_ptr<float>(), H);
   for (int64_t i = 0; i < T * k; i++)   // a choice held elsewhere: a zero term, last (E sorts last)
