@@ -41,22 +41,37 @@ AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(e, n);
 }
 
+// acc[i][j] += q_{r+i}[k..k+31] . keys[p+j][k..k+31] (masked: zeros past D)
+template <int64_t RR, int64_t P, bool kMasked>
+AVX512_BF16 __attribute__((always_inline)) inline void add_chunk(__m512 (&acc)[RR][P], const uint16_t* q,
+                                                                 int64_t q_stride, const uint16_t* const* keys,
+                                                                 int64_t D, int64_t r, int64_t p, int64_t k) {
+  __m512bh key[P];
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < P; j++)
+    key[j] = kMasked ? load32(keys[p + j] + k, D - k) : (__m512bh)_mm512_loadu_si512(keys[p + j] + k);
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < RR; i++) {
+    const uint16_t* qi = q + (r + i) * q_stride + k;
+    const __m512bh qv = kMasked ? load32(qi, D - k) : (__m512bh)_mm512_loadu_si512(qi);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < P; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], key[j], qv);
+  }
+}
+
 // raw scores[r, p..p+P-1] = q_r . keys[p + j] for RR rows from r: RR x P independent sums, reduced four at a time
 // (keys: a pointer to each position's row)
 template <int64_t RR, int64_t P>
 AVX512_BF16 inline void scores_block(const uint16_t* q, int64_t q_stride, const uint16_t* const* keys, int64_t D,
                                      int64_t r, int64_t p, int64_t L, float* scores) {
   __m512 acc[RR][P];
+#pragma GCC unroll 16
   for (int64_t i = 0; i < RR; i++)
+#pragma GCC unroll 16
     for (int64_t j = 0; j < P; j++) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < D; k += kLanes) {
-    __m512bh key[P];
-    for (int64_t j = 0; j < P; j++) key[j] = load32(keys[p + j] + k, D - k);
-    for (int64_t i = 0; i < RR; i++) {
-      __m512bh qv = load32(q + (r + i) * q_stride + k, D - k);
-      for (int64_t j = 0; j < P; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], key[j], qv);
-    }
-  }
+  const int64_t full = D / kLanes * kLanes;   // (unmasked loads: no branch in the loop, the sums in registers)
+  for (int64_t k = 0; k < full; k += kLanes) add_chunk<RR, P, false>(acc, q, q_stride, keys, D, r, p, k);
+  if (full < D) add_chunk<RR, P, true>(acc, q, q_stride, keys, D, r, p, full);
   for (int64_t i = 0; i < RR; i++) {
     if constexpr (P == 4) _mm_storeu_ps(scores + (r + i) * L + p, sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
     else for (int64_t j = 0; j < P; j++) scores[(r + i) * L + p + j] = _mm512_reduce_add_ps(acc[i][j]);
@@ -110,10 +125,12 @@ AVX512_BF16 void block_values(const float* probs, const float* inv_sum, int64_t 
                               int64_t V, at::BFloat16* out, int64_t out_stride, int64_t rows) {
   for (int64_t c = 0; c < V; c += kLanes) {
     __m512 acc[kRowBlock][2];
+#pragma GCC unroll 16
     for (int64_t r = 0; r < kRowBlock; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < L; p++) {
       const uint16_t* value = keys[p] + c;
       __m512 lo = load16_as_float(value, V - c), hi = load16_as_float(value + 16, V - c - 16);
+#pragma GCC unroll 16
       for (int64_t r = 0; r < kRowBlock; r++) {
         __m512 w = _mm512_set1_ps(probs[r * L + p]);
         acc[r][0] = _mm512_fmadd_ps(w, lo, acc[r][0]);
@@ -121,7 +138,9 @@ AVX512_BF16 void block_values(const float* probs, const float* inv_sum, int64_t 
       }
     }
     const __mmask32 cols = V - c >= kLanes ? ~0u : (__mmask32)((1ull << (V - c)) - 1);
-    for (int64_t r = 0; r < rows; r++) {
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < kRowBlock; r++) {
+      if (r >= rows) break;
       const __m512 inv = _mm512_set1_ps(inv_sum[r]);
       __m512bh both = _mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[r][1], inv), _mm512_mul_ps(acc[r][0], inv));
       _mm512_mask_storeu_epi16(out + r * out_stride + c, cols, (__m512i)both);
