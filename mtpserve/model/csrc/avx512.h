@@ -57,5 +57,9 @@ void bf16_rows_into(const at::BFloat16* x, const at::BFloat16* w, int64_t w_stri
 // y [M, N] (contiguous, written) = bf16 x [M, K] @ (int8 weight [N, K] * scale [N]).T: int8_linear into a given tensor
 void int8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& y);
 
+// the same from pointers: x [M, K] contiguous, w [N, K] by rows w_stride apart, scales scale_stride apart
+void int8_rows_into(const at::BFloat16* x, const int8_t* w, int64_t w_stride, const at::BFloat16* scale,
+                    int64_t scale_stride, at::BFloat16* y, int64_t M, int64_t N, int64_t K);
+
 // y [M, N] (contiguous, written) = fp32 x [M, K] @ wt [K, N]: fp32_columns_linear into a given tensor
 void fp32_columns_linear_into(const at::Tensor& x, const at::Tensor& wt, at::Tensor& y);

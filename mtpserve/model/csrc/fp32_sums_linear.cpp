@@ -134,6 +134,11 @@ void int8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::T
              x.size(1));
 }
 
+void int8_rows_into(const at::BFloat16* x, const int8_t* w, int64_t w_stride, const at::BFloat16* scale,
+                    int64_t scale_stride, at::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+  rows_times(reinterpret_cast<const uint16_t*>(x), K, w, w_stride, scale, scale_stride, y, M, N, K);
+}
+
 TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("fp32_linear(Tensor x, Tensor weight) -> Tensor");

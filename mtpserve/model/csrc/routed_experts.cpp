@@ -61,25 +61,27 @@ AVX512_BF16 void round_sums(const float* sums, at::BFloat16* out, int64_t n) {
 }
 
 // y[first..first+n) = x[first..first+n) @ w_e.T for expert e, w_e = w.select(dim, e) [N, K] (x and y contiguous), as
-// layers.linear multiplies: bf16 from pointers (no tensor made per expert), int8 (its scales' select(dim, e)), or
-// fp32 (w_e stored by columns: the column kernel up to few_rows rows of x, ATen's linear above)
+// layers.linear multiplies: bf16, or int8 with its scales' select(dim, e), from pointers (no tensor made per expert);
+// fp32 (w_e stored by columns) by the column kernel up to few_rows rows of x, ATen's linear above
 template <typename Scalar>
 void expert_product(const at::Tensor& x, const at::Tensor& w, int64_t dim, int64_t e,
                     const std::optional<at::Tensor>& scale, at::Tensor& y, int64_t first, int64_t n, int64_t few_rows) {
   if (n == 0) return;
   const int64_t K = x.size(1), N = y.size(1);
   if constexpr (std::is_same_v<Scalar, at::BFloat16>) {
-    if (!scale) {
-      TORCH_CHECK(w.stride(2) == 1, "routed_experts: bf16 expert rows must be contiguous");
-      bf16_rows_into(x.data_ptr<Scalar>() + first * K, w.data_ptr<Scalar>() + e * w.stride(dim), w.stride(1 - dim),
-                     y.data_ptr<Scalar>() + first * N, n, N, K);
-      return;
-    }
+    TORCH_CHECK(w.stride(2) == 1, "routed_experts: expert rows must be contiguous");
+    const Scalar* xe = x.data_ptr<Scalar>() + first * K;
+    Scalar* ye = y.data_ptr<Scalar>() + first * N;
+    if (scale)
+      int8_rows_into(xe, w.data_ptr<int8_t>() + e * w.stride(dim), w.stride(1 - dim),
+                     scale->data_ptr<Scalar>() + e * scale->stride(dim), scale->stride(1 - dim), ye, n, N, K);
+    else
+      bf16_rows_into(xe, w.data_ptr<Scalar>() + e * w.stride(dim), w.stride(1 - dim), ye, n, N, K);
+    return;
   }
   const at::Tensor xe = x.slice(0, first, first + n), we = w.select(dim, e);
   at::Tensor ye = y.slice(0, first, first + n);
-  if (scale) int8_linear_into(xe, we, scale->select(dim, e), ye);
-  else if (we.stride(0) == 1 && n <= few_rows) fp32_columns_linear_into(xe, we.t(), ye);
+  if (we.stride(0) == 1 && n <= few_rows) fp32_columns_linear_into(xe, we.t(), ye);
   else ye.copy_(at::linear(xe, we));
 }
 
@@ -147,7 +149,11 @@ at::Tensor routed_int8_experts(const at::Tensor& x, const at::Tensor& weights, c
                                const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& w2,
                                const at::Tensor& s2) {
   check(x, weights, ids, w13, w2);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "routed_int8_experts: bf16 x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w13.scalar_type() == at::kChar && w2.scalar_type() == at::kChar &&
+              s13.scalar_type() == at::kBFloat16 && s2.scalar_type() == at::kBFloat16,
+              "routed_int8_experts: bf16 x and scales, int8 experts");
+  TORCH_CHECK(s13.dim() == 2 && s13.size(0) == w13.size(0) && s13.size(1) == w13.size(1) && s2.dim() == 2 &&
+              s2.size(0) == w2.size(0) && s2.size(1) == w2.size(1), "routed_int8_experts: s13 [E, 2I], s2 [H, E]");
   return routed<at::BFloat16>(x, weights, ids, w13, w2, s13, s2, 0);
 }
 
