@@ -287,6 +287,16 @@ def test_compute_floor_counts_every_fed_token():
     assert f["max_output_tokens_per_s"] == pytest.approx(12 / f["floor_seconds"])
 
 
+def test_roofline_floor_reads_at_the_bandwidth_of_a_buffer_holding_the_step():
+    """A step's bytes are read at the speed of the smallest measured buffer holding them, not the cache's best."""
+    from mtpserve.bench import roofline
+    bw = {"read_gb_per_s_by_mb": {"4": 90.0, "16": 40.0, "64": 28.0}, "read_gb_per_s": 90.0}   # (as in a JSON)
+    assert roofline.floor_bandwidth(bw, 3_000_000) == 90.0
+    assert roofline.floor_bandwidth(bw, 23_000_000) == 28.0
+    assert roofline.floor_bandwidth(bw, 16 << 20) == 40.0
+    assert roofline.floor_bandwidth(bw, 500_000_000) == 28.0   # (larger than every buffer: the largest's)
+
+
 def test_bench_quantization(ckpt, tmp_path):
     """int8 / bf16 / fp32 x no MTP / MTP side by side: every row, perplexities, fp32 MTP equal to no MTP."""
     rec = run_cli(["bench", "quantization", "--model", ckpt, "--batch-sizes", "1", "--input-len", "5",
