@@ -170,7 +170,8 @@ def _roofline(recs, plot_dir, page_dir) -> list[str]:
         out += roofline.table(rec["results"]) + [""]
     return out + ["Bytes: the weights a step multiplies (bench/roofline.py, step_weight_params: routed experts "
                   "counted at most, the MTP passes with the head each) and the KV it reads; the floor is those bytes "
-                  "at the best read bandwidth measured (optimistic: a step's weights may not all stay in the cache)."]
+                  "at the read bandwidth of the smallest buffer holding them (bench/roofline.py, floor_bandwidth), "
+                  "measured in the same run; before 2026-12-07 at the best of all (a 4 MB buffer, in cache)."]
 
 
 def _peers_llamacpp(recs, plot_dir, page_dir) -> list[str]:
