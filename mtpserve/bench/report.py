@@ -169,9 +169,8 @@ def _roofline(recs, plot_dir, page_dir) -> list[str]:
     for _, rec in recs:
         out += roofline.table(rec["results"]) + [""]
     return out + ["Bytes: the weights a step multiplies (bench/roofline.py, step_weight_params: routed experts "
-                  "counted at most, the MTP passes with the head each) and the KV it reads; the floor is those bytes "
-                  "at the read bandwidth of the smallest buffer holding them (bench/roofline.py, floor_bandwidth), "
-                  "measured in the same run; before 2026-12-07 at the best of all (a 4 MB buffer, in cache)."]
+                  "counted at most, the MTP passes with the head each) and the KV it reads; the floor: those bytes at "
+                  "the bandwidth of the smallest buffer holding them (floor_bandwidth; before 2026-12-07 the best)."]
 
 
 def _peers_llamacpp(recs, plot_dir, page_dir) -> list[str]:

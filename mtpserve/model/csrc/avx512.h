@@ -46,18 +46,13 @@ AVX512_BF16 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 }  // namespace
 
-// y [M, N] (contiguous, written) = x [M, K] @ weight [N, K].T in bf16: bf16_linear into a given tensor
-void bf16_linear_into(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y);
-
-// y [M, N] (contiguous, written) = x [M, K] (contiguous) @ w.T in bf16, w [N, K] by rows w_stride apart: the same
-// from pointers (no tensor made per call)
+// y [M, N] (contiguous, written) = x [M, K] (contiguous) @ w.T in bf16, w [N, K] by rows w_stride apart (from
+// pointers: no tensor made per call)
 void bf16_rows_into(const at::BFloat16* x, const at::BFloat16* w, int64_t w_stride, at::BFloat16* y, int64_t M,
                     int64_t N, int64_t K);
 
-// y [M, N] (contiguous, written) = bf16 x [M, K] @ (int8 weight [N, K] * scale [N]).T: int8_linear into a given tensor
-void int8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& y);
-
-// the same from pointers: x [M, K] contiguous, w [N, K] by rows w_stride apart, scales scale_stride apart
+// y [M, N] (contiguous, written) = bf16 x [M, K] (contiguous) @ (int8 w [N, K] * scale [N]).T, w by rows w_stride
+// apart, scales scale_stride apart (from pointers)
 void int8_rows_into(const at::BFloat16* x, const int8_t* w, int64_t w_stride, const at::BFloat16* scale,
                     int64_t scale_stride, at::BFloat16* y, int64_t M, int64_t N, int64_t K);
 

@@ -137,11 +137,6 @@ at::Tensor bf16_bmm(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
-void bf16_linear_into(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y) {
-  check(x, weight, 2);
-  TORCH_CHECK(y.is_contiguous() && y.size(0) == x.size(0) && y.size(1) == weight.size(0), "bf16_linear_into: y [M, N]");
-  batched(x, weight, y, 1);
-}
 void bf16_rows_into(const at::BFloat16* x, const at::BFloat16* w, int64_t w_stride, at::BFloat16* y, int64_t M,
                     int64_t N, int64_t K) {
   batched(reinterpret_cast<const uint16_t*>(x), K, 0, reinterpret_cast<const uint16_t*>(w), w_stride, 0, y, 1, M, N, K);

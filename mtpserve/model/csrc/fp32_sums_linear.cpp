@@ -104,8 +104,15 @@ void rows_times(const X* x, int64_t x_stride, const W* w, int64_t w_stride, cons
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "int8_linear: x [M, K], weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kChar &&
+              scale.scalar_type() == at::kBFloat16, "int8_linear: bf16 x and scales, int8 weight");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == weight.size(0), "int8_linear: one scale per weight row");
+  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "int8_linear: rows must be contiguous");
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  int8_linear_into(x, weight, scale, y);
+  rows_times(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), weight.data_ptr<int8_t>(), weight.stride(0),
+             scale.data_ptr<at::BFloat16>(), scale.stride(0), y.data_ptr<at::BFloat16>(), x.size(0), weight.size(0),
+             x.size(1));
   return y;
 }
 
@@ -121,18 +128,6 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 }  // namespace
-
-void int8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& y) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "int8_linear: x [M, K], weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kChar &&
-              scale.scalar_type() == at::kBFloat16, "int8_linear: bf16 x and scales, int8 weight");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == weight.size(0), "int8_linear: one scale per weight row");
-  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "int8_linear: rows must be contiguous");
-  TORCH_CHECK(y.is_contiguous() && y.size(0) == x.size(0) && y.size(1) == weight.size(0), "int8_linear: y [M, N]");
-  rows_times(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), weight.data_ptr<int8_t>(), weight.stride(0),
-             scale.data_ptr<at::BFloat16>(), scale.stride(0), y.data_ptr<at::BFloat16>(), x.size(0), weight.size(0),
-             x.size(1));
-}
 
 void int8_rows_into(const at::BFloat16* x, const int8_t* w, int64_t w_stride, const at::BFloat16* scale,
                     int64_t scale_stride, at::BFloat16* y, int64_t M, int64_t N, int64_t K) {
