@@ -263,8 +263,10 @@ class GraphRunner:
                                               step.__closure__))
         start = time.perf_counter()
         buckets = self.warm_up_buckets()   # compiled now, run with padding rows only (no real KV; captured on CUDA)
-        # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph)
-        with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph; prepare_freezing:
+        # on the CPU the weights are the graph's attributes, not fetched by the code dynamo made at every call)
+        with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True,
+                                                                prepare_freezing=not self.cuda_graphs):
             for bucket in buckets:   # (the many-row graph: compiled at its most rows, then run at its fewest)
                 fn(*buf.compiling_args(bucket, batch, fewest_rows=FEW_ROWS + 1 if rows == MANY else None))
                 fn(*buf.compiling_args(bucket, FEW_ROWS + 1 if rows == MANY else batch))
