@@ -2,7 +2,8 @@
 product rounded once, a row's bits independent of the batch around it, the same in a CPU graph as eagerly.
 latent_attention: MLA's absorbed attention against the same attention in fp64, masked rows, a graph's bits, the paged
 cache read in place. routed_experts: the grouped Python path's bits.
-int8_linear: bf16_linear's checks, for int8 weights with a scale per row; bf16_bmm and fp32_linear the same;
+int8_linear: the exact integer sum of x in 16-bit fixed point and int8 weights, scaled and rounded, a row's bits
+independent of the batch; bf16_bmm and fp32_linear as bf16_linear;
 fp32_columns_linear (fp32 weights stored by columns) likewise.
 The CPU allocator that keeps freed tensor memory: blocks reused by size class, aligned, data kept intact."""
 import pytest
@@ -96,18 +97,42 @@ def test_a_cpu_graph_runs_the_kernels_as_eager_mode_does():
         assert torch.equal(int8_mlp(x[:rows]), F.silu(cpu_kernels.int8_linear(x[:rows], q.data, q.scale)) * 2)
 
 
+def _fixed_point_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row of bf16 x as csrc/int8_linear.cpp takes it, in fp64: integers at a power of two, the row's largest
+    value under 2^15 (rounded to nearest, ties to even)."""
+    exponent = torch.frexp(x.float().abs().amax(-1, keepdim=True)).exponent.double()
+    return torch.round(x.double() * 2.0 ** (15 - exponent)) * 2.0 ** (exponent - 15)
+
+
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 512, 256), (3, 4099, 256), (8, 100, 37), (5, 3, 300),
-                                                           (40, 96, 64)])
-def test_int8_linear_is_the_scaled_fp32_sum_rounded_once(rows, out_features, in_features):
+                                                           (40, 96, 64), (2, 24, 9000)])
+def test_int8_linear_is_the_exact_integer_sum_scaled_and_rounded(rows, out_features, in_features):
+    """A row of x in 16-bit fixed point times the int8 weight, summed exactly (in fp64 here), scaled by the row's
+    scale, rounded to bf16: at most one bf16 step apart (the int32 lanes' fp32 sums, two roundings), rarely any. The
+    fixed point is within 2^-15 of the row's largest value of x (half its step)."""
     from mtpserve.model.int8 import quantize_rows
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     w = quantize_rows(torch.randn(out_features, in_features, generator=gen), torch.bfloat16)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    fixed = _fixed_point_rows(x)
+    assert ((fixed - x.double()).abs() <= x.double().abs().amax(-1, keepdim=True) * 2.0 ** -15).all()
     ours = cpu_kernels.int8_linear(x, w.data, w.scale)
-    exact = (F.linear(x.double(), w.data.double()) * w.scale.double()).bfloat16()   # (fp64, rounded once)
+    exact = (F.linear(fixed, w.data.double()) * w.scale.double()).bfloat16()   # (fp64, rounded once)
     apart = _bits_apart(ours, exact)
     assert ours.dtype == torch.bfloat16 and ours.shape == (rows, out_features)
     assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
+
+
+def test_int8_linear_sums_the_largest_products_without_overflow():
+    """Every product at its largest (x just under a power of two, weights +-127) over 9,000 values: the int32 lanes
+    move to fp32 often enough (csrc/int8_linear.cpp's chunk) to give the exact sum."""
+    x = torch.full((2, 9000), 1.9921875).bfloat16()   # (bf16's largest value under 2: 32,640 at its power of two)
+    x[1] = -x[1]
+    w = torch.full((16, 9000), 127, dtype=torch.int8)
+    w[1::2] = -127
+    scale = torch.ones(16).bfloat16()
+    want = (x.double() @ w.double().T).bfloat16()
+    assert torch.equal(cpu_kernels.int8_linear(x, w, scale), want)
 
 
 def test_int8_linear_gives_a_row_the_same_bits_in_any_batch_and_reads_an_experts_weight_in_place():

@@ -12,8 +12,8 @@ logger = logging.getLogger("mtpserve")
 
 
 LOADED = False   # the mtpserve_cpu ops are loaded (load); read by usable
-SOURCES = ("bf16_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp", "latent_attention.cpp",
-           "routed_experts.cpp", "cpu_allocator.cpp", "avx512.h")
+SOURCES = ("bf16_linear.cpp", "int8_linear.cpp", "fp32_sums_linear.cpp", "fp32_columns_linear.cpp",
+           "latent_attention.cpp", "routed_experts.cpp", "cpu_allocator.cpp", "avx512.h")
 
 
 def sources_digest() -> str:
@@ -27,10 +27,10 @@ def sources_digest() -> str:
 
 
 def load() -> bool:
-    """Loads the mtpserve_cpu ops (built the first time) -> LOADED; False on a CPU without AVX512-BF16 or if the
-    build fails."""
+    """Loads the mtpserve_cpu ops (built the first time) -> LOADED; False on a CPU without AVX512-BF16 and VNNI
+    or if the build fails."""
     global LOADED
-    if LOADED or not torch.cpu._is_avx512_bf16_supported():
+    if LOADED or not (torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported()):
         return LOADED
     try:
         from torch.utils.cpp_extension import load as build
@@ -78,8 +78,8 @@ def bf16_bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """bf16 x [M, K] @ (int8 weight [N, K] * scale [N, 1]).T (fp32 sums, scaled and rounded once):
-    csrc/fp32_sums_linear.cpp."""
+    """bf16 x [M, K] @ (int8 weight [N, K] * scale [N, 1]).T (a row of x as 16-bit integers at a power of two,
+    integer sums, scaled and rounded once): csrc/int8_linear.cpp."""
     return torch.ops.mtpserve_cpu.int8_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, scale)
 
 

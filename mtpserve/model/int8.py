@@ -1,7 +1,8 @@
 """Weight-only int8 on the CPU (`quantization="int8"`): linear and expert weights stored as int8 with one scale
 per output channel, multiplied by PyTorch's int8 weight-only kernel (torch.ops.aten._weight_int8pack_mm, the
 kernel gpt-fast's int8 mode uses), which reads the int8 weight and scales each output column; with bf16
-activations on a CPU where our kernels load, by ours (model/csrc/fp32_sums_linear.cpp), at any number of rows.
+activations on a CPU where our kernels load, by ours (model/csrc/int8_linear.cpp: each row of x as 16-bit integers
+at a power of two, integer sums), at any number of rows.
 
 Quantized as the checkpoint loads (from bf16/fp32 weights; an FP8 checkpoint's weights are dequantized first):
 row r of W [out, in] becomes round(W[r] / s[r]) in [-127, 127], s[r] = max|W[r]| / 127. Row 0 = [0.5, -1.27, 0.02]:
