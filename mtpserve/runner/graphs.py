@@ -263,15 +263,14 @@ class GraphRunner:
                                               step.__closure__))
         start = time.perf_counter()
         buckets = self.warm_up_buckets()   # compiled now, run with padding rows only (no real KV; captured on CUDA)
-        # (scalar outputs: a few tokens' MoE picks its experts by reading their ids inside the graph; prepare_freezing:
-        # on the CPU the weights are the graph's attributes, not fetched by the code dynamo made at every call)
+        # (scalar outputs: a few tokens' MoE reads their expert ids in the graph; prepare_freezing: CPU graphs hold the
+        # weights as attributes, which the code dynamo made no longer fetches at every call)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True,
                                                                 prepare_freezing=not self.cuda_graphs):
             for bucket in buckets:   # (the many-row graph: compiled at its most rows, then run at its fewest)
                 fn(*buf.compiling_args(bucket, batch, fewest_rows=FEW_ROWS + 1 if rows == MANY else None))
                 fn(*buf.compiling_args(bucket, FEW_ROWS + 1 if rows == MANY else batch))
-        # On the CPU, the code dynamo made of `step` called as a plain function: no dynamo hook on each call (and no
-        # guards: skipped above). (CUDA keeps the hook: this has not run there.)
+        # CPU: the code dynamo made of `step` called as a plain function, no hook or guards a call (CUDA keeps the hook)
         made = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
         if not self.cuda_graphs and len(made) == 1:
             fn = types.FunctionType(made[0].code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
@@ -280,14 +279,13 @@ class GraphRunner:
 
     def _pass_step(self, which: Pass, q: int):
         """One model pass: the main model or an MTP layer over rows of q tokens."""
-        device, model, main_caches, mtp_caches = self.device, self.model, self.main_caches, self.mtp_caches
-        block_size = self.block_size
+        device, model, main_caches, mtp_caches, block_size = (self.device, self.model, self.main_caches,
+                                                              self.mtp_caches, self.block_size)
         layer = None if which.kind == "main" else which.layer
 
         def step(input_ids, positions, seq_lens, slot_mapping, block_tables, prev_hidden, output_index):
-            max_seq_len = block_tables.shape[1] * block_size
-            query_start_loc = torch.arange(seq_lens.shape[0] + 1, device=device) * q
-            meta = AttentionMetadata(query_start_loc, seq_lens, slot_mapping, block_tables, q, max_seq_len)
+            meta = AttentionMetadata(torch.arange(seq_lens.shape[0] + 1, device=device) * q, seq_lens, slot_mapping,
+                                     block_tables, q, block_tables.shape[1] * block_size)
             if layer is None:
                 return model(input_ids, positions, meta, main_caches)
             return model.mtp_forward(layer, input_ids, positions, prev_hidden, meta, mtp_caches[layer], output_index)
