@@ -1,7 +1,8 @@
 // What the CPU kernels share: the target they are compiled for, the linear kernels' block, tile and thread share, a
-// weight prefetch, a masked load, a four-way sum, the bf16 linear.
+// weight prefetch, masked loads (bf16 as fp32), a four-way sum, the bf16 linear.
 #pragma once
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 
 #include <ATen/ATen.h>
@@ -31,6 +32,13 @@ inline int64_t share_grain(int64_t unit_bytes, int64_t tiles, int64_t share = kS
 AVX512_BF16 inline __m512bh load32(const uint16_t* p, int64_t left) {
   if (left >= kLanes) return (__m512bh)_mm512_loadu_si512(p);
   return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);
+}
+
+// bf16 p[0..15] as fp32, zeros past `left` values (none when left <= 0)
+AVX512_BF16 inline __m512 load16_as_float(const uint16_t* p, int64_t left) {
+  __m256i v = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                         : _mm256_maskz_loadu_epi16((__mmask16)((1u << std::max<int64_t>(left, 0)) - 1), p);
+  return _mm512_cvtpbh_ps((__m256bh)v);
 }
 
 // {sum a, sum b, sum c, sum d}: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3] and the same of c, d, then

@@ -26,11 +26,6 @@ namespace {
 // 4,096 weights (128 instructions) stay under 2^30
 constexpr int64_t kChunk = 4096;
 
-AVX512_VNNI inline __m512 load16(const uint16_t* p, int64_t left) {   // bf16 p[0..15] as fp32, zeros past `left`
-  const __m256i v = _mm256_maskz_loadu_epi16(left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 // x [M, K] bf16 -> xq [M, Kp] int16 (zeros past K) and scale [M]: xq[m] * scale[m] = x[m], rounded as above (to
 // nearest, ties to even)
 AVX512_VNNI void quantize_rows(const uint16_t* x, int64_t x_stride, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
@@ -38,13 +33,14 @@ AVX512_VNNI void quantize_rows(const uint16_t* x, int64_t x_stride, int64_t M, i
   for (int64_t m = 0; m < M; m++) {
     const uint16_t* row = x + m * x_stride;
     __m512 largest = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(load16(row + k, K - k)));
+    for (int64_t k = 0; k < K; k += 16)
+      largest = _mm512_max_ps(largest, _mm512_abs_ps(load16_as_float(row + k, K - k)));
     int exponent = 0;
     std::frexp(_mm512_reduce_max_ps(largest), &exponent);   // largest < 2^exponent
     const __m512 to_int = _mm512_set1_ps(std::ldexp(1.f, 15 - exponent));   // largest * to_int < 2^15
     scale[m] = std::ldexp(1.f, exponent - 15);
     for (int64_t k = 0; k < Kp; k += 16) {   // (zeros past K: Kp is a multiple of 32)
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + k, K - k), to_int));
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_as_float(row + k, K - k), to_int));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * Kp + k), _mm512_cvtepi32_epi16(q));
     }
   }

@@ -23,12 +23,6 @@ namespace {
 constexpr int64_t kRowBlock = 8; // query rows that share each value row read
 constexpr int64_t kAhead = 8;     // positions between the key rows read and those prefetched
 
-AVX512_BF16 inline __m512 load16_as_float(const uint16_t* p, int64_t left) {
-  __m256i v = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                         : _mm256_maskz_loadu_epi16((__mmask16)((1u << std::max<int64_t>(left, 0)) - 1), p);
-  return _mm512_cvtpbh_ps((__m256bh)v);
-}
-
 // e^x for x <= 0 (to 2 ulp): 2^n e^r, n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor series
 AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
