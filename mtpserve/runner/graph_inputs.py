@@ -35,15 +35,16 @@ class StaticInputs:
                    torch.full((batch * q,), -1, **long), torch.zeros(batch, max_blocks, **long))
 
     def load(self, rows: list[Row], q: int, bucket: int, block_size: int, size: int) -> list[torch.Tensor]:
-        """Copies the rows, then padding rows up to `size`, into the buffers; returns the graph's inputs."""
+        """Copies the rows, then padding rows up to `size`, into the buffers (one host tensor, split); returns the
+        graph's inputs."""
         ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, block_size)
         pad = size - len(rows)
-        for target, values, fill in ((self.input_ids, ids, 0), (self.positions, positions, 0),
-                                     (self.slot_mapping, slots, -1)):
-            target[:size * q].copy_(torch.tensor(values + [fill] * (pad * q)))
-        self.seq_lens[:size].copy_(torch.tensor(seq_lens + [0] * pad))
-        self.block_tables[:size, :bucket].copy_(torch.tensor(tables + [0] * (pad * bucket)).view(size, bucket))
-        return self.args(bucket, size)
+        host = torch.tensor(ids + [0] * (pad * q) + positions + [0] * (pad * q) + seq_lens + [0] * pad
+                            + slots + [-1] * (pad * q) + tables + [0] * (pad * bucket))
+        args = self.args(bucket, size)   # (in this order)
+        for target, part in zip(args, host.split([size * q, size * q, size, size * q, size * bucket])):
+            target.copy_(part.view(target.shape))
+        return args
 
     def args(self, bucket: int, rows: int) -> list:
         """The graph's inputs: the first `rows` rows, the first `bucket` blocks of the table."""
