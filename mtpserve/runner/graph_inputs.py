@@ -39,10 +39,13 @@ class StaticInputs:
         graph's inputs."""
         ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, block_size)
         pad = size - len(rows)
-        host = torch.tensor(ids + [0] * (pad * q) + positions + [0] * (pad * q) + seq_lens + [0] * pad
-                            + slots + [-1] * (pad * q) + tables + [0] * (pad * bucket))
-        args = self.args(bucket, size)   # (in this order)
-        for target, part in zip(args, host.split([size * q, size * q, size, size * q, size * bucket])):
+        # (values, padding value, values per row) in the order of args(), as one flat list
+        parts = ((ids, 0, q), (positions, 0, q), (seq_lens, 0, 1), (slots, -1, q), (tables, 0, bucket))
+        values = []
+        for part, fill, per_row in parts:
+            values += part + [fill] * (pad * per_row)
+        args = self.args(bucket, size)
+        for target, part in zip(args, torch.tensor(values).split([size * per_row for _, _, per_row in parts])):
             target.copy_(part.view(target.shape))
         return args
 
