@@ -2,12 +2,12 @@
 scheduler plans the step as the k with the most expected tokens per second (uncalibrated: max_k):
     rate(k, batch) = E[tokens | k] / seconds(k, batch),    E[tokens | k] = 1 + c1 + c1*c2 + ... + c1*...*ck
 c_j: acceptance of draft j once 1..j-1 were accepted (decayed counts over a prior). seconds: calibration.py's table,
-linear in the batch, times the drift (median ratio of the last steady steps' times to the table's). Acceptance
-[0.8, 0.5], at batch 1 {0: 1.0, 1: 1.1, 2: 1.2} ms: E = [1, 1.8, 2.2] -> rate = [1.00, 1.64, 1.83] -> k = 2."""
+linear in the batch (a machine slowing down slows every k alike: the choice stays). Acceptance [0.8, 0.5], at
+batch 1 {0: 1.0, 1: 1.1, 2: 1.2} ms: E = [1, 1.8, 2.2] -> rate = [1.00, 1.64, 1.83] -> k = 2."""
 import bisect
+import itertools
 import logging
-import statistics
-from collections import Counter, deque
+import operator
 from dataclasses import dataclass, field
 
 from mtpserve.step import StepPlan
@@ -17,7 +17,6 @@ logger = logging.getLogger("mtpserve")
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 4.0   # DeepSeek-V3 reports 85-90% for its MTP module's first draft
 DECAY = 0.995                               # per verified draft: the counts follow a drifting workload
 SWITCH_MARGIN = 0.02                        # the k in use stays unless another rates 2% better
-DRIFT_STEPS = 16                            # steady steps whose time ratios to the table set the drift
 EXPLORE_EVERY = 64                          # a step drafting one more than the best (k = 0 alone never learns)
 
 
@@ -49,7 +48,6 @@ class FixedK:
 class AdaptiveK(FixedK):
     adapts = True
     table: dict = field(default_factory=dict)       # k -> {batch size: calibrated step seconds}
-    drift: deque = field(default_factory=lambda: deque(maxlen=DRIFT_STEPS))
     reached: list[float] = field(default_factory=list)    # per position j: drafts verified with 0..j-1 accepted
     accepted: list[float] = field(default_factory=list)   # ... and accepted at j
     current: int | None = None
@@ -66,17 +64,12 @@ class AdaptiveK(FixedK):
             self.reached[j] = self.reached[j] * DECAY + 1
             self.accepted[j] = self.accepted[j] * DECAY + (num_accepted > j)
 
-    def observe_step(self, batch: int, k: int, seconds: float) -> None:
-        self.last_step = (batch, k, seconds)
-        if self.table:
-            self.drift.append(seconds / at_batch(self.table[k], batch))
-
     def observe(self, plan: StepPlan, results, seconds: float) -> None:
         for r in results:
             if not isinstance(r, Exception) and r.num_drafts:
                 self.observe_verification(r.num_drafts, r.num_accepted)
-        if plan.steady_batch is not None:
-            self.observe_step(plan.steady_batch, plan.num_next_drafts, seconds)
+        if plan.steady_batch is not None:   # (calibration.py reads it)
+            self.last_step = (plan.steady_batch, plan.num_next_drafts, seconds)
 
     def acceptance(self) -> list[float]:
         out, prior = [], PRIOR_ACCEPTANCE
@@ -85,25 +78,22 @@ class AdaptiveK(FixedK):
             out.append(prior)
         return out
 
-    def expected_tokens(self, k: int, room: int | None = None) -> float:
-        """Tokens a request gets from a step verifying k drafts; room: the most it may still take."""
-        total, reach = 1.0, 1.0
-        for c in self.acceptance()[:k if room is None else min(k, room - 1)]:
-            reach *= c
-            total += reach
-        return total
+    def expected_tokens(self) -> list[float]:
+        """Tokens a request gets from a step verifying k drafts, k = 0..max_k: [1, 1 + c1, 1 + c1 + c1*c2, ...]."""
+        return list(itertools.accumulate(itertools.accumulate(self.acceptance(), operator.mul), initial=1.0))
 
     def seconds(self, batch: int, k: int) -> float:
-        return at_batch(self.table[k], batch) * (statistics.median(self.drift) if self.drift else 1.0)
+        return at_batch(self.table[k], batch)
 
     def rates(self, batch: int, rooms: list[int] | None = None) -> list[float]:
-        """Expected tokens per second per request, k = 0..max_k (rooms: the requests' tokens left). A bigger k
-        costs at least what a smaller one does (noise must not make it look cheaper)."""
-        rooms = Counter(rooms or [None])
+        """Expected tokens per second per request, k = 0..max_k (rooms: the requests' tokens left, as many as a
+        step may give: drafts past room - 1 add nothing). A bigger k costs at least what a smaller one does
+        (noise must not make it look cheaper)."""
+        tokens, rooms = self.expected_tokens(), rooms or [self.max_k + 1]
         out, most = [], 0.0
         for k in range(self.max_k + 1):
             most = max(most, self.seconds(batch, k))
-            out.append(sum(n * self.expected_tokens(k, room) for room, n in rooms.items()) / rooms.total() / most)
+            out.append(sum(tokens[min(k, room - 1)] for room in rooms) / len(rooms) / most)
         return out
 
     def choose(self, batch: int, rooms: list[int] | None = None) -> int:
@@ -122,7 +112,7 @@ class AdaptiveK(FixedK):
         if self.forced is not None:
             return self.forced
         rooms = [s.req.max_tokens - len(s.req.output_token_ids) - s.samples for s in scheduled]
-        return self.choose(len(scheduled), [min(r, self.max_k + 1) for r in rooms if r > 0])
+        return self.choose(len(scheduled), [r for r in rooms if r > 0])
 
     def log(self, batch: int) -> None:
         logger.info("adaptive speculation: k = %s at batch %d; expected tokens/s by k %s, acceptance by position %s, "

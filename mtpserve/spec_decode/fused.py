@@ -131,7 +131,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, spec, which: Pas
         known = torch.cat([emitted.clamp_min(0), emitted.new_zeros(batch, k_next)], dim=1)
         columns = torch.arange(q, device=device).unsqueeze(0)
         chain_hidden = hidden
-        for j, p in enumerate(mtp_passes(k_next, chain_depth, whole_chain=False)):
+        for j, p in enumerate(mtp_passes(k_next, chain_depth)):
             if p.own:
                 if 0 < j <= k_next:
                     known = known.scatter(1, (accepted + j).unsqueeze(1), next_drafts[-1].unsqueeze(1))

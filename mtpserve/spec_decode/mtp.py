@@ -12,10 +12,10 @@ draft and output. Request at 5, pending t5, drafts [d6, d7], d6 accepted, e7 emi
     layer 0         token  [x8] at 7, fed that output             -> draft x9
     layer 0         token  [x9] at 8                              -> draft x10
 
-A decode step drafting fewer depths than the checkpoint has own layers (adaptive k) chains only as deep as it
-drafts; the deeper own layers write their KV fed the main model's hidden states. One drafting none (k = 0) still
-runs them, KV only, so the caches are whole when drafting resumes. Slots written past the accepted length are
-never read before being overwritten.
+A decode step drafting fewer depths than the checkpoint has own layers (adaptive k), or none (k = 0), still
+runs every own layer chained, the deeper ones KV only: the caches hold what a step drafting every depth would
+have written, so drafts after a change of k are as good as steady ones. Slots written past the accepted length
+are never read before being overwritten.
 """
 from dataclasses import dataclass
 
@@ -40,17 +40,14 @@ class MTPPass:
     span: int = 1           # past the own layers, the first depth also covers the positions they drafted at
 
 
-def mtp_passes(k: int, chain_depth: int, whole_chain: bool) -> list[MTPPass]:
-    """The passes of a step drafting k tokens with `chain_depth` own layers. whole_chain: every own layer runs
-    as trained, chained (prompt chunks: a prompt's KV is read by every later step); else a decode step chains as
-    many as it drafts and the deeper ones write their KV fed the main hidden states (a later step drafting more
-    depths reads that KV: its drafts differ, deterministically; verification stays lossless)."""
-    exact = chain_depth if whole_chain else max(1, min(k, chain_depth))
+def mtp_passes(k: int, chain_depth: int) -> list[MTPPass]:
+    """The passes of a step drafting k tokens with `chain_depth` own layers: every own layer runs chained, as
+    trained, whatever k (a later step drafting more depths reads their KV)."""
     passes = []
     for j in range(max(k, chain_depth)):
         if j < chain_depth:
-            outputs = "all" if j + 1 < exact else "index" if j < k else "none"
-            passes.append(MTPPass(j, own=True, chained=0 < j < exact, outputs=outputs, drafts=j < k))
+            outputs = "all" if j + 1 < chain_depth else "index" if j < k else "none"
+            passes.append(MTPPass(j, own=True, chained=j > 0, outputs=outputs, drafts=j < k))
         else:
             passes.append(MTPPass(0, own=False, span=j if chain_depth > 1 and j == chain_depth else 1))
     return passes
@@ -118,7 +115,6 @@ class MTPProposer:
             rows.append(Row(row_tokens, s.start, s.req.block_ids))
             sources.extend(range(offsets[i], offsets[i] + len(row_tokens)))
         main = hidden[sources]
-        whole_chain = any(not s.samples or s.num_new_tokens > 1 for s in scheduled)
         chained = self._chain_depth() > 1   # (graph mode: the own layers' graphs compute every output)
         drafting = [i for i, s in enumerate(scheduled) if s.samples] if k else []
         reqs = [scheduled[i].req for i in drafting]
@@ -128,7 +124,7 @@ class MTPProposer:
         # the tokens each drafting request has generated past its output by each depth (its processors read them)
         generated = [new_tokens[i] for i in drafting] if any(r.params.processes_logits for r in reqs) else None
         drafts, draft_probs, depth_hidden, chain_hidden = [], [], [], None
-        for j, p in enumerate(mtp_passes(k, self._chain_depth(), whole_chain)):
+        for j, p in enumerate(mtp_passes(k, self._chain_depth())):
             if p.own:   # depth j+1 at position t: embedding of token t+j+1, main or depth j's hidden state at t
                 if 0 < j <= k:
                     for i, d in zip(drafting, drafts[j - 1].tolist()):
@@ -186,7 +182,7 @@ class MTPProposer:
 
     def num_passes(self, scheduled) -> int:
         """The MTP passes propose() runs for this step (the plan's length)."""
-        return len(mtp_passes(self.next_k(scheduled), self._chain_depth(), whole_chain=True))
+        return len(mtp_passes(self.next_k(scheduled), self._chain_depth()))
 
     def min_last_chunk(self) -> int:
         """Prompt tokens the last chunk of a prompt must hold: own layer j at position p reads token p+j+1,
