@@ -136,7 +136,7 @@ def fused_step(model, main_caches, mtp_caches, block_size: int, spec, which: Pas
                 if 0 < j <= k_next:
                     known = known.scatter(1, (accepted + j).unsqueeze(1), next_drafts[-1].unsqueeze(1))
                 tokens = known.gather(1, torch.minimum(columns + j, (accepted + min(j, k_next)).unsqueeze(1)))
-                out = model.mtp_forward(j, tokens.flatten(), positions, chain_hidden if p.chained else hidden, meta,
+                out = model.mtp_forward(j, tokens.flatten(), positions, chain_hidden, meta,
                                         mtp_caches[j], {"all": None, "index": index, "none": rows[:0]}[p.outputs])
                 if p.outputs == "all":
                     chain_hidden, out = out, out[index]

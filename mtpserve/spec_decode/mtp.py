@@ -30,11 +30,11 @@ from mtpserve.step import Row, mtp_layer
 class MTPPass:
     """One depth of a step's drafting. Two own layers, k = 3, a decode step:
         MTPPass(layer=0, own=True, outputs="all")                 -> draft 1 (at the accepted position)
-        MTPPass(layer=1, own=True, chained=True, outputs="index") -> draft 2
+        MTPPass(layer=1, own=True, outputs="index")               -> draft 2 (fed layer 0's outputs)
         MTPPass(layer=0, own=False, span=2)                       -> draft 3 (positions of drafts 1 and 2)"""
     layer: int
-    own: bool               # over the step's positions (else one token past the previous depth's, `span` tokens)
-    chained: bool = False   # fed the previous own layer's outputs (else the main model's hidden states)
+    own: bool               # over the step's positions (else one token past the previous depth's, `span` tokens);
+                            # own layer 0 fed the main model's hidden states, own layer j > 0 layer j-1's outputs
     outputs: str = "index"  # "all" (the next own layer reads them), "index" (the accepted position's), "none" (KV)
     drafts: bool = True
     span: int = 1           # past the own layers, the first depth also covers the positions they drafted at
@@ -47,7 +47,7 @@ def mtp_passes(k: int, chain_depth: int) -> list[MTPPass]:
     for j in range(max(k, chain_depth)):
         if j < chain_depth:
             outputs = "all" if j + 1 < chain_depth else "index" if j < k else "none"
-            passes.append(MTPPass(j, own=True, chained=j > 0, outputs=outputs, drafts=j < k))
+            passes.append(MTPPass(j, own=True, outputs=outputs, drafts=j < k))
         else:
             passes.append(MTPPass(0, own=False, span=j if chain_depth > 1 and j == chain_depth else 1))
     return passes
@@ -123,23 +123,23 @@ class MTPProposer:
         known = [s.req.all_token_ids + new_tokens[i] for i, s in enumerate(scheduled)]
         # the tokens each drafting request has generated past its output by each depth (its processors read them)
         generated = [new_tokens[i] for i in drafting] if any(r.params.processes_logits for r in reqs) else None
-        drafts, draft_probs, depth_hidden, chain_hidden = [], [], [], None
+        drafts, draft_probs, depth_hidden, chain_hidden = [], [], [], main   # (own layer j > 0: j-1's outputs)
         for j, p in enumerate(mtp_passes(k, self._chain_depth())):
             if p.own:   # depth j+1 at position t: embedding of token t+j+1, main or depth j's hidden state at t
                 if 0 < j <= k:
                     for i, d in zip(drafting, drafts[j - 1].tolist()):
                         known[i] = known[i] + [d]
                 step_rows = [self._chain_row(t, r, j, s.samples) for t, r, s in zip(known, rows, scheduled)]
-                inputs = chain_hidden if p.chained else main
                 if p.outputs == "all":
-                    chain_hidden = self.forward(mtp_layer(j), step_rows, inputs)
+                    chain_hidden = self.forward(mtp_layer(j), step_rows, chain_hidden)
                     prev_hidden = chain_hidden[[last[i] for i in drafting]]
                 elif p.outputs == "index":
                     index = None if static and chained else last
-                    out = self.forward(mtp_layer(j), step_rows, inputs, output_index=index)
+                    out = self.forward(mtp_layer(j), step_rows, chain_hidden, output_index=index)
                     prev_hidden = (out[last] if index is None else out)[drafting]
                 else:   # KV only (an indexed graph still outputs one token per row)
-                    self.forward(mtp_layer(j), step_rows, inputs, output_index=last if static and not chained else [])
+                    self.forward(mtp_layer(j), step_rows, chain_hidden,
+                                 output_index=last if static and not chained else [])
             else:   # layer 0, `span` tokens up to the next position, fed the previous depths' drafts and outputs
                 tokens = torch.stack(drafts[-p.span:], dim=1).tolist()
                 step_rows = [Row(t, at + j - p.span + 1, scheduled[i].req.block_ids)
