@@ -105,7 +105,7 @@ def _fixed_point_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 512, 256), (3, 4099, 256), (8, 100, 37), (5, 3, 300),
-                                                           (40, 96, 64), (2, 24, 9000)])
+                                                           (40, 96, 64), (2, 24, 9000), (1, 40, 5000)])
 def test_int8_linear_is_the_exact_integer_sum_scaled_and_rounded(rows, out_features, in_features):
     """A row of x in 16-bit fixed point times the int8 weight, summed exactly (in fp64 here), scaled by the row's
     scale, rounded to bf16: at most one bf16 step apart (the int32 lanes' fp32 sums, two roundings), rarely any. The

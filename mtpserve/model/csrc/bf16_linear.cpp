@@ -29,12 +29,13 @@ AVX512_BF16 void tile_times_weight(const uint16_t* x, int64_t x_stride, const ui
   if constexpr (T == 1) {
     for (int64_t r = 0; r < R; r++) {
       const uint16_t* row = block + r * w_stride;
+      __m512 sum = _mm512_setzero_ps();   // (a local: as acc[0][r] the sum went through memory each step)
       for (int64_t k = 0; k < full; k += kLanes) {
         if (prefetch) prefetch_weights(row + kAheadBlocks * R * w_stride + k);
-        acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)_mm512_loadu_si512(row + k),
-                                     (__m512bh)_mm512_loadu_si512(x + k));
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
       }
-      if (full < K) acc[0][r] = _mm512_dpbf16_ps(acc[0][r], load32(row + full, K - full), load32(x + full, K - full));
+      if (full < K) sum = _mm512_dpbf16_ps(sum, load32(row + full, K - full), load32(x + full, K - full));
+      acc[0][r] = sum;
     }
   } else {
     for (int64_t k = 0; k < full; k += kLanes) {

@@ -25,23 +25,32 @@ constexpr int64_t kAhead = 16;    // weight rows prefetched ahead (the hardware 
 template <int64_t V, int64_t T>
 AVX512_BF16 void tile(const float* x, int64_t x_stride, const float* wt, int64_t w_stride, float* y, int64_t y_stride,
                       int64_t k0, int64_t k1, int64_t K, __mmask16 last) {
-  __m512 acc[T][V], w[V];
+  __m512 acc[T][V], w[V];   // (every loop over t and v unrolled: else GCC kept the sums in memory, a store per FMA)
+  #pragma GCC unroll 16
   for (int64_t t = 0; t < T; t++)
+    #pragma GCC unroll 16
     for (int64_t v = 0; v < V; v++)
       acc[t][v] = k0 == 0 ? _mm512_setzero_ps()
                           : _mm512_maskz_loadu_ps(v == V - 1 ? last : 0xffff, y + t * y_stride + 16 * v);
   for (int64_t k = k0; k < k1; k++) {
     const float* row = wt + k * w_stride;
     if (k + kAhead < K)
+      #pragma GCC unroll 16
       for (int64_t v = 0; v < V; v++)
         prefetch_weights(row + kAhead * w_stride + 16 * v);
-    for (int64_t v = 0; v < V; v++) w[v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : 0xffff, row + 16 * v);
+    #pragma GCC unroll 16
+    for (int64_t v = 0; v < V; v++)
+      w[v] = v == V - 1 ? _mm512_maskz_loadu_ps(last, row + 16 * v) : _mm512_loadu_ps(row + 16 * v);
+    #pragma GCC unroll 16
     for (int64_t t = 0; t < T; t++) {
       const __m512 xk = _mm512_set1_ps(x[t * x_stride + k]);
+      #pragma GCC unroll 16
       for (int64_t v = 0; v < V; v++) acc[t][v] = _mm512_fmadd_ps(w[v], xk, acc[t][v]);
     }
   }
+  #pragma GCC unroll 16
   for (int64_t t = 0; t < T; t++)
+    #pragma GCC unroll 16
     for (int64_t v = 0; v < V; v++)
       _mm512_mask_storeu_ps(y + t * y_stride + 16 * v, v == V - 1 ? last : 0xffff, acc[t][v]);
 }

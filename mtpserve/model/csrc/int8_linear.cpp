@@ -47,10 +47,65 @@ AVX512_VNNI void quantize_rows(const uint16_t* x, int64_t x_stride, int64_t M, i
 }
 
 // 32 int8 weights at p widened to int16, zeros past `left`
-AVX512_VNNI inline __m512i widen32(const int8_t* p, int64_t left) {
+AVX512_VNNI inline __m512i widen32(const int8_t* p, int64_t left = kLanes) {
   const __m256i v = left >= kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                                    : _mm256_maskz_loadu_epi8((__mmask32)((1ull << left) - 1), p);
   return _mm512_cvtepi8_epi16(v);
+}
+
+// sums[t][r] += xq[t, k0..k1-1] . w[r, k0..k1-1] for T rows t of x and R weight rows r, exact in int32 lanes. One
+// row of x: a weight row after another, read in order (as bf16_linear.cpp); more: the R rows side by side, each 32
+// weights widened once for the T rows of x. (A function of its own, the sums of earlier chunks in memory: with them
+// in registers too GCC kept the T x R sums in memory, a store per VPDPWSSD.)
+template <int64_t R, int64_t T>
+AVX512_VNNI void chunk_sums(const int16_t* xq, int64_t Kp, const int8_t* block, int64_t w_stride, int64_t k0,
+                            int64_t k1, bool prefetch, float (*sums)[R]) {
+  __m512i acc[T][R];
+  const int64_t full = k0 + (k1 - k0) / kLanes * kLanes;   // (the last K % 32 apart, by masked loads)
+  if constexpr (T == 1) {
+    for (int64_t r = 0; r < R; r++) {
+      const int8_t* row = block + r * w_stride;
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();   // (two sums: half the latency)
+      int64_t k = k0;
+      for (; k + 2 * kLanes <= full; k += 2 * kLanes) {
+        if (prefetch) prefetch_weights(row + kAheadBlocks * R * w_stride + k);
+        even = _mm512_dpwssd_epi32(even, widen32(row + k), _mm512_loadu_si512(xq + k));
+        odd = _mm512_dpwssd_epi32(odd, widen32(row + k + kLanes), _mm512_loadu_si512(xq + k + kLanes));
+      }
+      if (k < full) even = _mm512_dpwssd_epi32(even, widen32(row + k), _mm512_loadu_si512(xq + k));
+      if (full < k1) odd = _mm512_dpwssd_epi32(odd, widen32(row + full, k1 - full), _mm512_loadu_si512(xq + full));
+      acc[0][r] = _mm512_add_epi32(even, odd);
+    }
+  } else {
+    __m512i xv[T];
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t r = 0; r < R; r++) acc[t][r] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < full; k += kLanes) {
+      for (int64_t t = 0; t < T; t++) xv[t] = _mm512_loadu_si512(xq + t * Kp + k);
+      for (int64_t r = 0; r < R; r++) {
+        if (prefetch) prefetch_weights(block + (R + r) * w_stride + k);   // (the next block)
+        const __m512i wv = widen32(block + r * w_stride + k);
+        for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpwssd_epi32(acc[t][r], wv, xv[t]);
+      }
+    }
+    if (full < k1) {
+      for (int64_t t = 0; t < T; t++) xv[t] = _mm512_loadu_si512(xq + t * Kp + full);
+      for (int64_t r = 0; r < R; r++) {
+        const __m512i wv = widen32(block + r * w_stride + full, k1 - full);
+        for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpwssd_epi32(acc[t][r], wv, xv[t]);
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; t++) {   // the lanes as fp32, summed four rows at a time (avx512.h)
+    if constexpr (R == 1) {
+      sums[t][0] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[t][0]));
+    } else {
+      for (int64_t r = 0; r < R; r += 4)
+        _mm_storeu_ps(sums[t] + r, _mm_add_ps(_mm_loadu_ps(sums[t] + r), sum4(
+            _mm512_cvtepi32_ps(acc[t][r]), _mm512_cvtepi32_ps(acc[t][r + 1]), _mm512_cvtepi32_ps(acc[t][r + 2]),
+            _mm512_cvtepi32_ps(acc[t][r + 3]))));
+    }
+  }
 }
 
 // y[m, n..n+R-1] = (xq[m] . w[n..n+R-1]) * scale_x[m] * scale_w[n..] for T rows m of x at once
@@ -59,56 +114,16 @@ AVX512_VNNI void tile_times(const int16_t* xq, int64_t Kp, const float* x_scale,
                             int64_t w_stride, const at::BFloat16* w_scale, int64_t scale_stride, at::BFloat16* y,
                             int64_t N, int64_t K, bool prefetch) {
   static_assert(R % 4 == 0 || R == 1);
-  constexpr int64_t kFours = (R + 3) / 4;
-  __m128 sums[T][kFours];   // (R = 1: lane 0)
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t f = 0; f < kFours; f++) sums[t][f] = _mm_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t k1 = std::min(K, k0 + kChunk);
-    __m512i acc[T][R], xv[T];
-    for (int64_t t = 0; t < T; t++)
-      for (int64_t r = 0; r < R; r++) acc[t][r] = _mm512_setzero_si512();
-    if constexpr (T == 1) {   // a weight row at a time, read in order (as bf16_linear.cpp), in two sums
-      for (int64_t r = 0; r < R; r++) {
-        const int8_t* row = block + r * w_stride;
-        __m512i odd = _mm512_setzero_si512();
-        for (int64_t k = k0; k < k1; k += 2 * kLanes) {
-          if (prefetch) prefetch_weights(row + kAheadBlocks * R * w_stride + k);
-          acc[0][r] = _mm512_dpwssd_epi32(acc[0][r], widen32(row + k, k1 - k), _mm512_loadu_si512(xq + k));
-          if (k + kLanes < k1)
-            odd = _mm512_dpwssd_epi32(odd, widen32(row + k + kLanes, k1 - k - kLanes),
-                                      _mm512_loadu_si512(xq + k + kLanes));
-        }
-        acc[0][r] = _mm512_add_epi32(acc[0][r], odd);   // (integer sums: the same in any order)
-      }
-    } else {   // the R rows side by side, each 32 weights widened once for the T rows of x
-      for (int64_t k = k0; k < k1; k += kLanes) {
-        for (int64_t t = 0; t < T; t++) xv[t] = _mm512_loadu_si512(xq + t * Kp + k);
-        for (int64_t r = 0; r < R; r++) {
-          if (prefetch && k % 64 == 0) prefetch_weights(block + (R + r) * w_stride + k);   // (the next block)
-          const __m512i wv = widen32(block + r * w_stride + k, k1 - k);
-          for (int64_t t = 0; t < T; t++) acc[t][r] = _mm512_dpwssd_epi32(acc[t][r], wv, xv[t]);
-        }
-      }
-    }
-    for (int64_t t = 0; t < T; t++) {   // the lanes as fp32, summed four rows at a time (avx512.h)
-      if constexpr (R == 1) {
-        sums[t][0] = _mm_add_ss(sums[t][0], _mm_set_ss(_mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[t][0]))));
-      } else {
-        for (int64_t r = 0; r < R; r += 4)
-          sums[t][r / 4] = _mm_add_ps(sums[t][r / 4], sum4(_mm512_cvtepi32_ps(acc[t][r]),
-                                      _mm512_cvtepi32_ps(acc[t][r + 1]), _mm512_cvtepi32_ps(acc[t][r + 2]),
-                                      _mm512_cvtepi32_ps(acc[t][r + 3])));
-      }
-    }
-  }
-  for (int64_t f = 0; f < kFours; f++) {   // scaled, rounded to bf16 four at a time
-    const int64_t r = 4 * f;
+  float sums[T][R] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk)
+    chunk_sums<R, T>(xq, Kp, block, w_stride, k0, std::min(K, k0 + kChunk), prefetch, sums);
+  for (int64_t r = 0; r < R; r += 4) {   // scaled, rounded to bf16 four at a time
     const __m128 w_scales = R == 1 ? _mm_set_ss(float(w_scale[0]))
         : _mm_setr_ps(float(w_scale[r * scale_stride]), float(w_scale[(r + 1) * scale_stride]),
                       float(w_scale[(r + 2) * scale_stride]), float(w_scale[(r + 3) * scale_stride]));
     for (int64_t t = 0; t < T; t++) {
-      const __m128i four = (__m128i)_mm_cvtneps_pbh(_mm_mul_ps(_mm_mul_ps(sums[t][f], _mm_set1_ps(x_scale[t])),
+      const __m128 four_sums = R == 1 ? _mm_set_ss(sums[t][0]) : _mm_loadu_ps(sums[t] + r);
+      const __m128i four = (__m128i)_mm_cvtneps_pbh(_mm_mul_ps(_mm_mul_ps(four_sums, _mm_set1_ps(x_scale[t])),
                                                                w_scales));
       if constexpr (R == 1) y[t * N] = c10::bit_cast<at::BFloat16>(uint16_t(_mm_extract_epi16(four, 0)));
       else _mm_storel_epi64(reinterpret_cast<__m128i*>(y + t * N + r), four);
