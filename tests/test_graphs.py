@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from mtpserve import LLM, SamplingParams
+from mtpserve.runner.direct_call import DirectCall
 from mtpserve.step import FUSED
 from tiny_models import trained_checkpoint
 
@@ -109,8 +110,10 @@ def check_graph_mode(ckpt, spec, sizes, overlap=False):
     graphs.drain()   # (graphs built when first needed: each compiled once)
     assert (counters["stats"]["unique_graphs"] - frames_after_warmup == len(graphs.graphs) - built_at_warmup), \
         "recompiled after warm-up"
-    # each CPU graph is called as the plain function dynamo made of its step, not through torch.compile's hook
+    # each CPU graph is called as the plain function dynamo made of its step, not through torch.compile's hook, and
+    # (a fixed batch) straight into its compiled C++, not through that function either
     assert not any(hasattr(fn, "_torchdynamo_orig_callable") for fn, _ in graphs.graphs.values())
+    assert all(isinstance(fn, DirectCall) for fn, _ in graphs.graphs.values())
     bm = graph.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     if spec is not None:
@@ -267,6 +270,7 @@ def test_compile_in_background_refused_where_it_cannot_work(ckpt, kwargs, why):
 SERVING_PROCESS = """
 import sys, time
 from mtpserve import LLM, SamplingParams
+from mtpserve.runner.direct_call import DirectCall
 llm = LLM(sys.argv[1], speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False},
           enforce_eager=False, graph_batch_sizes=[1], max_model_len=64, compile_in_background=True)
 llm.generate(prompt_token_ids=[[5, 8, 11]], sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)

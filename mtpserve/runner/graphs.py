@@ -10,8 +10,8 @@ the graphs treat as dynamic: one compiled graph serves every KV length, and atte
 max_model_len. Inputs are copied into static buffers (graph_inputs.py). On CUDA the compiled step is captured as CUDA
 graphs (inductor's cudagraph trees; one per KV bucket, recorded at warm-up; the KV caches it writes are marked static
 inputs); on the CPU it is an inductor-compiled kernel, called through the code dynamo made without dynamo's per-call
-hook. Anything else (prompt chunks, run apart from decode rows: ModelRunner.execute; batches above the largest size)
-runs eagerly in the same loop.
+hook, or for a fixed batch straight into the compiled C++ (direct_call.py). Anything else (prompt chunks, run apart
+from decode rows: ModelRunner.execute; batches above the largest size) runs eagerly in the same loop.
 
 compile_in_background (one CPU process): nothing is compiled at start-up; the first step that fits a shape
 queues its graph and runs eagerly until a compiler thread has built it, in compile_order (cold, in a compiler
@@ -34,6 +34,7 @@ from mtpserve.model.attention import AttentionMetadata
 from mtpserve.model.layers import FEW_ROWS
 from mtpserve.model.ops import register_graph_lowerings
 from mtpserve.runner.background import MANY, compile_order
+from mtpserve.runner.direct_call import direct_caller
 from mtpserve.runner.graph_inputs import StaticInputs, sampling_buffers
 from mtpserve.step import Pass, Row, fused_kv_reach
 
@@ -259,21 +260,20 @@ class GraphRunner:
             step = self._pass_step(which, q)
         # a code object per graph: dynamo caches per code object, so no guards need to tell the graphs apart
         code = step.__code__.replace(co_name=f"graph_{which}_b{rows}_q{q}")
-        fn = self._compile(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
-                                              step.__closure__))
+        fn = self._compile(types.FunctionType(code, step.__globals__, None, step.__defaults__, step.__closure__))
         start = time.perf_counter()
         buckets = self.warm_up_buckets()   # compiled now, run with padding rows only (no real KV; captured on CUDA)
-        # (scalar outputs: a few tokens' MoE reads their expert ids in the graph; prepare_freezing: CPU graphs hold the
-        # weights as attributes, which the code dynamo made no longer fetches at every call)
+        # (scalar outputs: a MoE reads its expert ids in the graph; prepare_freezing: CPU graphs hold the weights)
         with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=True,
                                                                 prepare_freezing=not self.cuda_graphs):
             for bucket in buckets:   # (the many-row graph: compiled at its most rows, then run at its fewest)
                 fn(*buf.compiling_args(bucket, batch, fewest_rows=FEW_ROWS + 1 if rows == MANY else None))
                 fn(*buf.compiling_args(bucket, FEW_ROWS + 1 if rows == MANY else batch))
-        # CPU: the code dynamo made of `step` called as a plain function, no hook or guards a call (CUDA keeps the hook)
+        # CPU: dynamo's code of `step` as a plain function (no hook, no guards), a fixed batch's into its C++ directly
         made = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
         if not self.cuda_graphs and len(made) == 1:
             fn = types.FunctionType(made[0].code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+            fn = rows != MANY and direct_caller(fn, buf.args(buckets[0], batch), buf.args(buckets[-1], batch)) or fn
         self.compile_seconds += time.perf_counter() - start
         return fn, buf
 
