@@ -270,7 +270,6 @@ def test_compile_in_background_refused_where_it_cannot_work(ckpt, kwargs, why):
 SERVING_PROCESS = """
 import sys, time
 from mtpserve import LLM, SamplingParams
-from mtpserve.runner.direct_call import DirectCall
 llm = LLM(sys.argv[1], speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False},
           enforce_eager=False, graph_batch_sizes=[1], max_model_len=64, compile_in_background=True)
 llm.generate(prompt_token_ids=[[5, 8, 11]], sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
