@@ -23,13 +23,31 @@ class DirectCall:
     sizes: list          # (input slot, step arg index, dim)
     outputs: object      # output index, or a tuple of output indexes and None
 
+    def __post_init__(self):
+        # inductor's wrapper around the C++ (`g` in the module it wrote) makes a tensor of each int input and a
+        # handle of each input; called here with its C++ function, the ints' tensors are made once
+        cells = dict(zip(self.run.__code__.co_freevars, self.run.__closure__ or ()))
+        self.entry = cells["f"].cell_contents if set(cells) == {"f"} else None
+        if self.entry is not None:
+            self.inputs = [a if isinstance(a, torch.Tensor) else torch.tensor(a) for a in self.inputs]
+        self.size_tensors = {}
+
     def __call__(self, *args):
         inputs = self.inputs.copy()
         for slot, j in self.tensors:
             inputs[slot] = args[j]
         for slot, j, dim in self.sizes:
-            inputs[slot] = args[j].shape[dim]
-        outs = self.run(inputs)
+            size = args[j].shape[dim]
+            if self.entry is not None:
+                if size not in self.size_tensors:
+                    self.size_tensors[size] = torch.tensor(size)
+                size = self.size_tensors[size]
+            inputs[slot] = size
+        if self.entry is None:
+            outs = self.run(inputs)
+        else:
+            handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(inputs)
+            outs = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(self.entry(handles))
         if isinstance(self.outputs, int):
             return outs[self.outputs]
         return tuple(None if k is None else outs[k] for k in self.outputs)

@@ -10,6 +10,7 @@ Two decode rows of q = 3 tokens (a pending token and 2 drafts) at positions 7 an
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch._dynamo
 
@@ -28,29 +29,43 @@ class StaticInputs:
     output_index: torch.Tensor | None = None    # MTP passes over 1+k tokens: the one token per row to output [B]
     sampling: list[torch.Tensor] | None = None  # fused steps: the sampled step's further inputs (else [])
 
+    def __post_init__(self):
+        # the five index buffers written through numpy views of host tensors (on the CPU the buffers themselves)
+        index = self.index_buffers()
+        self.host = [t.numpy() for t in (index if index[0].device.type == "cpu" else [t.cpu() for t in index])]
+        self.cached_args = {}
+
     @classmethod
     def allocate(cls, batch: int, q: int, max_blocks: int, device) -> "StaticInputs":
         long = dict(dtype=torch.long, device=device)
         return cls(torch.zeros(batch * q, **long), torch.zeros(batch * q, **long), torch.zeros(batch, **long),
                    torch.full((batch * q,), -1, **long), torch.zeros(batch, max_blocks, **long))
 
+    def index_buffers(self) -> list[torch.Tensor]:
+        return [self.input_ids, self.positions, self.seq_lens, self.slot_mapping, self.block_tables]
+
     def load(self, rows: list[Row], q: int, bucket: int, block_size: int, size: int) -> list[torch.Tensor]:
-        """Copies the rows, then padding rows up to `size`, into the buffers (one host tensor, split); returns the
-        graph's inputs."""
+        """Writes the rows, then padding rows up to `size`, into the buffers; returns the graph's inputs."""
         ids, positions, slots, seq_lens, tables = flat_rows(rows, q, bucket, block_size)
-        pad = size - len(rows)
-        # (values, padding value, values per row) in the order of args(), as one flat list
-        parts = ((ids, 0, q), (positions, 0, q), (seq_lens, 0, 1), (slots, -1, q), (tables, 0, bucket))
-        values = []
-        for part, fill, per_row in parts:
-            values += part + [fill] * (pad * per_row)
-        args = self.args(bucket, size)
-        for target, part in zip(args, torch.tensor(values).split([size * per_row for _, _, per_row in parts])):
-            target.copy_(part.view(target.shape))
-        return args
+        n, (ids_np, positions_np, seq_lens_np, slots_np, tables_np) = len(rows), self.host
+        for target, values, fill, per_row in ((ids_np, ids, 0, q), (positions_np, positions, 0, q),
+                                              (seq_lens_np, seq_lens, 0, 1), (slots_np, slots, -1, q)):
+            target[:n * per_row] = values
+            target[n * per_row:size * per_row] = fill
+        tables_np[:n, :bucket] = np.array(tables, dtype=np.int64).reshape(n, bucket)
+        tables_np[n:size, :bucket] = 0
+        if self.input_ids.device.type != "cpu":
+            for buffer, host in zip(self.index_buffers(), self.host):
+                buffer.copy_(torch.from_numpy(host))
+        return self.args(bucket, size)
 
     def args(self, bucket: int, rows: int) -> list:
-        """The graph's inputs: the first `rows` rows, the first `bucket` blocks of the table."""
+        """The graph's inputs: the first `rows` rows, the first `bucket` blocks of the table (views made once)."""
+        if (bucket, rows) not in self.cached_args:
+            self.cached_args[bucket, rows] = self.views(bucket, rows)
+        return self.cached_args[bucket, rows]
+
+    def views(self, bucket: int, rows: int) -> list:
         size = len(self.seq_lens)
         cut = lambda t: t if t is None or rows == size else t[:len(t) // size * rows]  # noqa: E731
         tail = self.sampling if self.sampling is not None else [self.prev_hidden, self.output_index]
@@ -60,7 +75,7 @@ class StaticInputs:
     def compiling_args(self, bucket: int, rows: int, fewest_rows: int | None = None) -> list:
         """args() with the table's width marked dynamic, and with fewest_rows the batch too, from that many rows
         to all (the inputs a graph is compiled with)."""
-        args, size = self.args(bucket, rows), len(self.seq_lens)
+        args, size = self.views(bucket, rows), len(self.seq_lens)
         for t in args if fewest_rows else []:   # (each input's rows: [B * q], [B], [B, ...])
             if t is not None:
                 per_row = len(t) // rows
