@@ -397,3 +397,41 @@ def test_every_kernel_source_is_built_and_in_the_graphs_cache_key():
     csrc = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
     assert sorted(cpu_kernels.SOURCES) == sorted(os.listdir(csrc))
     assert register_graph_lowerings().uuid().endswith(f"kernels {cpu_kernels.sources_digest()}")
+
+
+def test_a_cpu_graph_calls_every_kernel_through_its_c_function_with_eager_bits():
+    """Graphs compile with cpu_kernels.inductor_config(): inductor's C++ calls each op through the C function
+    declared from its schema (csrc: C_SHIM), not the dispatcher. One graph calling every op (an optional tensor
+    given and not, ints and floats among the arguments) returns eager's bits, and its C++ names every function."""
+    from torch._inductor.utils import run_and_get_cpp_code
+    from mtpserve.model.int8 import quantize_rows
+    from mtpserve.model.layers import FEW_ROWS, by_columns
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 64, generator=gen).bfloat16(), torch.randn(40, 64, generator=gen)
+    q8 = quantize_rows(w, torch.bfloat16)
+    cache, tables = torch.randn(6, 16, 144, generator=gen).bfloat16(), torch.tensor([[3, 1, 4]])
+    q, mask = torch.randn(1, 24, 144, generator=gen).bfloat16(), torch.ones(1, 3, 40, dtype=torch.bool)
+    w13, w2 = torch.randn(4, 2 * 8, 64, generator=gen).bfloat16(), torch.randn(64, 4, 8, generator=gen).bfloat16()
+    experts8 = [quantize_rows(e, torch.bfloat16) for e in w13]
+    w2_8 = [quantize_rows(w2[:, e], torch.bfloat16) for e in range(4)]
+    weights, ids = torch.rand(3, 4, generator=gen).bfloat16().topk(2, dim=-1)
+    ops = torch.ops.mtpserve_cpu
+
+    def every_op(x):
+        return [ops.bf16_linear(x, w.bfloat16()), ops.bf16_bmm(x.unsqueeze(0), w.bfloat16().unsqueeze(0)),
+                ops.int8_linear(x, q8.data, q8.scale), ops.fp32_linear(x.float(), w),
+                ops.fp32_columns_linear(x.float(), by_columns(w).t()),
+                ops.latent_attention(q, cache, mask, 0.125, 128, tables),
+                ops.latent_attention(q, cache[tables[0]].flatten(0, 1)[:40].unsqueeze(0), mask, 0.125, 128),
+                ops.routed_experts(x, weights, ids, w13, w2, FEW_ROWS),
+                ops.routed_int8_experts(x, weights, ids, torch.stack([e.data for e in experts8]),
+                                        torch.stack([e.scale for e in experts8]),
+                                        torch.stack([e.data for e in w2_8]).movedim(0, 1),
+                                        torch.stack([e.scale for e in w2_8]).movedim(0, 1))]
+
+    compiled = torch.compile(every_op, fullgraph=True, dynamic=False,
+                             options={"cpp_wrapper": True, **cpu_kernels.inductor_config()})
+    got, code = run_and_get_cpp_code(compiled, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, every_op(x)))
+    assert "aoti_torch_call_dispatcher" not in code and cpu_kernels.C_SHIMS
+    assert all(f"aoti_torch_cpu_{op._opname}(" in code for op in cpu_kernels.C_SHIMS)

@@ -2,11 +2,13 @@
 (cached under torch's extension directory, ~20 s once) and registered as torch ops, so eager steps and inductor's
 graphs call the same code; loading them also makes csrc/cpu_allocator.cpp the process's CPU allocator. Where a kernel
 cannot run (no AVX512-BF16, no compiler) callers keep PyTorch's ops (and allocator)."""
+import ctypes
 import hashlib
 import logging
 import os
 
 import torch
+import torch._inductor.config
 
 logger = logging.getLogger("mtpserve")
 
@@ -26,6 +28,35 @@ def sources_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+C_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t", "float": "double"}
+C_SHIMS = {}   # op -> the declaration of its C function (csrc: C_SHIM), for inductor (set by load)
+
+
+def declare_c_shims(path: str) -> None:
+    """The library's symbols made global (a graph's module resolves the C functions as it loads) and each op's C
+    function declared from its schema: bf16_linear(Tensor x, Tensor weight) -> Tensor is
+    aoti_torch_cpu_bf16_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* ret0)."""
+    ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+    for schema in torch._C._jit_get_all_schemas():
+        namespace, _, name = schema.name.partition("::")
+        if (namespace == "mtpserve_cpu" and [str(r.type) for r in schema.returns] == ["Tensor"]
+                and all(str(a.type) in C_TYPES for a in schema.arguments)):
+            params = [f"{C_TYPES[str(a.type)]} {a.name}" for a in schema.arguments] + ["AtenTensorHandle* ret0"]
+            C_SHIMS[getattr(torch.ops.mtpserve_cpu, name).default] = [
+                f"AOTITorchError aoti_torch_cpu_{name}({', '.join(params)})"]
+
+
+def inductor_config() -> dict:
+    """What CPU graphs compile with (runner/graphs.py): inductor's C++ calls each op through its C function, not the
+    dispatcher. The declarations (op objects) stay out of inductor's cache key, which cannot hold them (it would
+    bypass the cache): the kernels' digest is in the key (ops.register_graph_lowerings)."""
+    if not C_SHIMS:
+        return {}
+    ignored = torch._inductor.config._cache_config_ignore_prefix
+    return {"aot_inductor.custom_ops_to_c_shims": C_SHIMS,
+            "_cache_config_ignore_prefix": ignored + ["aot_inductor.custom_ops_to_c_shims"]}
+
+
 def load() -> bool:
     """Loads the mtpserve_cpu ops (built the first time) -> LOADED; False on a CPU without AVX512-BF16 and VNNI
     or if the build fails."""
@@ -35,8 +66,8 @@ def load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
         sources = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in SOURCES if name.endswith(".cpp")]
-        build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-              is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
+        path = build("mtpserve_cpu_kernels", sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                     is_python_module=False, verbose=False)   # (OpenMP: at::parallel_for runs on torch's threads)
     except Exception as e:   # (a machine without a C++ compiler or ninja: PyTorch's ops instead)
         logger.warning("the bf16 CPU kernels did not build (%s: %s); PyTorch's ops instead", type(e).__name__, e)
         return False
@@ -55,6 +86,7 @@ def load() -> bool:
     for name in ("routed_experts", "routed_int8_experts"):
         torch.library.register_fake(f"mtpserve_cpu::{name}")(lambda x, *args: torch.empty_like(x))
     torch.ops.mtpserve_cpu.keep_freed_cpu_memory()
+    declare_c_shims(path)
     LOADED = True
     return True
 

@@ -30,6 +30,7 @@ import types
 import torch
 import torch._dynamo
 
+from mtpserve.model import cpu_kernels
 from mtpserve.model.attention import AttentionMetadata
 from mtpserve.model.layers import FEW_ROWS
 from mtpserve.model.ops import register_graph_lowerings
@@ -47,14 +48,12 @@ class GraphRunner:
                  max_span: int, device, spec=None, background: bool = False):
         """spec: the speculative config (how the sampled fused step drafts and verifies). background: graphs are
         built by a compiler thread when first needed."""
-        self.model, self.main_caches, self.mtp_caches = model, main_caches, mtp_caches
-        self.spec = spec
+        self.model, self.main_caches, self.mtp_caches, self.spec = model, main_caches, mtp_caches, spec
         self.batch_sizes = sorted(batch_sizes)
         self.block_size, self.device = block_size, device
         self.max_blocks = -(-max_span // block_size)
         self.graphs: dict[tuple, tuple] = {}    # (Pass, batch or MANY, query_len) -> (compiled fn, static buffers)
-        self.compile_seconds = 0.0
-        self.background = background
+        self.compile_seconds, self.background = 0.0, background
         self.later: set[tuple[Pass, int]] = set()   # (pass, query length): graphs built when first needed
         self._queued: set[tuple] = set()
         self._queue_order = itertools.count()
@@ -77,7 +76,8 @@ class GraphRunner:
             "emulate_precision_casts": True,   # (bf16 rounded as eagerly: a row's bits whatever a graph's shape fused)
             # CPU, one process: the graph's calls made from C++ (history.md); a rank's graphs hold collectives,
             # whose process-group argument inductor's C++ wrapper cannot pass
-            "cpp_wrapper": not self.cuda_graphs and not torch.distributed.is_initialized()})
+            "cpp_wrapper": not self.cuda_graphs and not torch.distributed.is_initialized(),
+            **cpu_kernels.inductor_config()})   # (our ops called from C++ without the dispatcher)
 
     def padded_size(self, num_rows: int) -> int | None:
         """The rows a step of num_rows runs as (None: more than the largest graph takes)."""

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -66,3 +67,17 @@ void int8_rows_into(const at::BFloat16* x, const int8_t* w, int64_t w_stride, co
 
 // y [M, N] (contiguous, written) = fp32 x [M, K] @ wt [K, N]: fp32_columns_linear into a given tensor
 void fp32_columns_linear_into(const at::Tensor& x, const at::Tensor& wt, at::Tensor& y);
+
+// An op's C function for inductor's C++ wrapper (declared to it from the op's schema: cpu_kernels.declare_c_shims):
+// a graph calls aoti_torch_cpu_<op>(inputs..., &output) directly instead of through the dispatcher. Tensor
+// arguments come as handles, Tensor? ones as a pointer to a handle or null.
+#define C_SHIM(op, params, ...)                                                                      \
+  extern "C" AOTITorchError aoti_torch_cpu_##op params {                                            \
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ *ret0 = torch::aot_inductor::new_tensor_handle(__VA_ARGS__); }) \
+  }
+
+using Handle = AtenTensorHandle;
+
+inline const at::Tensor& tensor_at(Handle h) {
+  return *torch::aot_inductor::tensor_handle_to_tensor_pointer(h);
+}

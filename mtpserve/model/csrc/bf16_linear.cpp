@@ -138,6 +138,11 @@ at::Tensor bf16_bmm(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
+C_SHIM(bf16_linear, (Handle x, Handle weight, Handle* ret0),
+       bf16_linear(tensor_at(x), tensor_at(weight)))
+C_SHIM(bf16_bmm, (Handle x, Handle weight, Handle* ret0),
+       bf16_bmm(tensor_at(x), tensor_at(weight)))
+
 void bf16_rows_into(const at::BFloat16* x, const at::BFloat16* w, int64_t w_stride, at::BFloat16* y, int64_t M,
                     int64_t N, int64_t K) {
   batched(reinterpret_cast<const uint16_t*>(x), K, 0, reinterpret_cast<const uint16_t*>(w), w_stride, 0, y, 1, M, N, K);

@@ -100,6 +100,9 @@ at::Tensor fp32_columns_linear(const at::Tensor& x, const at::Tensor& wt) {
 
 }  // namespace
 
+C_SHIM(fp32_columns_linear, (Handle x, Handle wt, Handle* ret0),
+       fp32_columns_linear(tensor_at(x), tensor_at(wt)))
+
 void fp32_columns_linear_into(const at::Tensor& x, const at::Tensor& wt, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && wt.dim() == 2 && x.size(1) == wt.size(0), "fp32_columns_linear: x [M, K], wt [K, N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, "fp32_columns_linear: fp32 only");

@@ -74,6 +74,9 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
+C_SHIM(fp32_linear, (Handle x, Handle weight, Handle* ret0),
+       fp32_linear(tensor_at(x), tensor_at(weight)))
+
 TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
   m.def("fp32_linear(Tensor x, Tensor weight) -> Tensor");
 }

@@ -191,6 +191,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 }  // namespace
 
+C_SHIM(int8_linear, (Handle x, Handle weight, Handle scale, Handle* ret0),
+       int8_linear(tensor_at(x), tensor_at(weight), tensor_at(scale)))
+
 void int8_rows_into(const at::BFloat16* x, const int8_t* w, int64_t w_stride, const at::BFloat16* scale,
                     int64_t scale_stride, at::BFloat16* y, int64_t M, int64_t N, int64_t K) {
   int8_rows(reinterpret_cast<const uint16_t*>(x), K, w, w_stride, scale, scale_stride, y, M, N, K);

@@ -194,6 +194,11 @@ at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& keys, const a
 
 }  // namespace
 
+C_SHIM(latent_attention,
+       (Handle q, Handle keys, Handle mask, double scale, int64_t value_dim, Handle* block_tables, Handle* ret0),
+       latent_attention(tensor_at(q), tensor_at(keys), tensor_at(mask), scale, value_dim,
+                        block_tables ? c10::optional<at::Tensor>(tensor_at(*block_tables)) : c10::nullopt))
+
 TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
   m.def("latent_attention(Tensor q, Tensor keys, Tensor mask, float scale, int value_dim, Tensor? block_tables=None) "
         "-> Tensor");

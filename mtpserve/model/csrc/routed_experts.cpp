@@ -159,6 +159,13 @@ at::Tensor routed_int8_experts(const at::Tensor& x, const at::Tensor& weights, c
 
 }  // namespace
 
+C_SHIM(routed_experts, (Handle x, Handle weights, Handle ids, Handle w13, Handle w2, int64_t few_rows, Handle* ret0),
+       routed_experts(tensor_at(x), tensor_at(weights), tensor_at(ids), tensor_at(w13), tensor_at(w2), few_rows))
+C_SHIM(routed_int8_experts,
+       (Handle x, Handle weights, Handle ids, Handle w13, Handle s13, Handle w2, Handle s2, Handle* ret0),
+       routed_int8_experts(tensor_at(x), tensor_at(weights), tensor_at(ids), tensor_at(w13), tensor_at(s13),
+                           tensor_at(w2), tensor_at(s2)))
+
 TORCH_LIBRARY_FRAGMENT(mtpserve_cpu, m) {
   // (every argument required: a graph's C++ calls the op with the arguments it was traced with)
   m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, int few_rows) -> Tensor");
