@@ -1,7 +1,8 @@
 """CPU kernels of our own, built from csrc/ with torch's C++ extension builder the first time a process needs one
 (cached under torch's extension directory, ~20 s once) and registered as torch ops, so eager steps and inductor's
-graphs call the same code; loading them also makes csrc/cpu_allocator.cpp the process's CPU allocator. Where a kernel
-cannot run (no AVX512-BF16, no compiler) callers keep PyTorch's ops (and allocator)."""
+graphs call the same code (graphs through each op's C function: inductor_config); loading them also makes
+csrc/cpu_allocator.cpp the process's CPU allocator. Where a kernel cannot run (no AVX512-BF16, no compiler) callers
+keep PyTorch's ops (and allocator)."""
 import ctypes
 import hashlib
 import logging
